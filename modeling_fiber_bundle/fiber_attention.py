@@ -1,0 +1,429 @@
+"""The geometry of the Fiber Bundle Transformer as small pure functions (DESIGN.md sections 1.1-1.4).
+
+Every token i carries, per head, a metric G_i = I_d + alpha U_i U_i^T with U_i a d x r factor of spectral norm <= 1 and a
+gate alpha = exp(theta) - 1 > -1, so G_i is symmetric positive definite for every input. The attention score of query i
+and key j is a geodesic distance measured in the *query's* metric:
+
+    s_ij = scale * [ (G_i q_i) . k_j  -  (gamma/2) ||k_j||^2  -  (alpha/2) ||U_i^T k_j||^2 ]
+
+With gamma = 1 this is -(scale/2) (q_i - k_j)^T G_i (q_i - k_j) up to a term in i alone; with alpha = gamma = 0 it is the
+dot-product score. The last term is quadratic in k_j through a *per-query* matrix, so s cannot be written as Q K^T: it is
+computed as one matmul of the keys with r + 1 stacked pseudo-queries [G_i q_i, u_i1, ..., u_ir] and an elementwise
+combine, O(d r) per (i, j).
+
+Layout convention: factors are stored row-wise, ``factors[..., l, :] = u_il`` (shape ``(..., r, d)``), i.e. U_i^T.
+
+Two attention paths compute the same function:
+- ``reference_geodesic_attention``: a few einsums, materialises (n x n x r); short and obviously correct.
+- ``blocked_geodesic_attention``: the default. Loops over query blocks with a custom backward that recomputes the
+  scores from the saved log-sum-exp (as flash attention does), so extra memory is O(n * block), never n x n x r.
+
+This file imports only torch: it is copied into every published Hub folder.
+"""
+
+import torch
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Metric field
+# --------------------------------------------------------------------------------------------------------------------
+def bounded_factors(raw: torch.Tensor) -> torch.Tensor:
+    """Map raw factors (..., r, d) to factors of spectral norm < 1: u = raw / sqrt(1 + ||raw||_F^2).
+
+    Why this map: ||u||_2 <= ||u||_F < 1, so I + a u^T u is SPD for every gate a > -1; it is smooth, and close to the
+    identity for small raw factors (so gradients flow at initialisation).
+    """
+    sq_norm = raw.pow(2).sum(dim=(-2, -1), keepdim=True)  # (..., 1, 1)
+    return raw * torch.rsqrt(1.0 + sq_norm)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    # Copied from transformers 5.24 models/llama/modeling_llama.py
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the last dim of x; cos/sin must already broadcast against x."""
+    return (x * cos) + (rotate_half(x) * sin)
+
+
+def rotate_factors(factors: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each token's factor rows with that token's (query) rotary embedding.
+
+    factors (B, Hf, n, r, d); cos, sin (B, n, d). Why: the factors live in the token's own frame, like q_i; rotating them
+    with R_i makes U_i^T R_i^T R_j k_j depend on j - i only, so scores depend on relative positions only.
+    """
+    cos = cos[:, None, :, None, :]  # (B, 1, n, 1, d)
+    sin = sin[:, None, :, None, :]
+    return apply_rotary(factors, cos, sin)
+
+
+def metric_query(query: torch.Tensor, factors: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """G_i q_i = q_i + alpha U_i (U_i^T q_i) in O(d r) per token.
+
+    query (B, H, n, d); factors (B, H, n, r, d); alpha (H,). Returns (B, H, n, d).
+    """
+    coords = torch.matmul(factors, query.unsqueeze(-1))  # U^T q: (B, H, n, r, 1)
+    lifted = torch.matmul(coords.transpose(-1, -2), factors).squeeze(-2)  # U (U^T q): (B, H, n, d)
+    return query + alpha.view(1, -1, 1, 1).to(query.dtype) * lifted
+
+
+def key_bias(key: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
+    """The -(gamma/2) ||k_j||^2 term, per query head. key (B, H, n_k, d) (already repeated to H); returns (B, H, n_k)."""
+    return -0.5 * gamma.view(1, -1, 1).to(key.dtype) * key.pow(2).sum(-1)
+
+
+def metric_gram(factors: torch.Tensor) -> torch.Tensor:
+    """U^T U as an r x r Gram matrix per token, from row-wise factors (..., r, d) -> (..., r, r)."""
+    return torch.matmul(factors, factors.transpose(-1, -2))
+
+
+def dense_metric(factors: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """G = I + alpha U U^T as a dense d x d matrix. For tests and small analyses only (the model never builds it).
+
+    factors (B, H, n, r, d); alpha (H,). Returns (B, H, n, d, d).
+    """
+    d = factors.shape[-1]
+    eye = torch.eye(d, dtype=factors.dtype, device=factors.device)
+    outer = torch.matmul(factors.transpose(-1, -2), factors)  # U U^T: (B, H, n, d, d)
+    return eye + alpha.view(1, -1, 1, 1, 1).to(factors.dtype) * outer
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Masks
+# --------------------------------------------------------------------------------------------------------------------
+def allowed_from_mask(attention_mask: torch.Tensor | None, q_len: int, kv_len: int) -> torch.Tensor | None:
+    """Normalise transformers' mask formats to a boolean "may attend" tensor (B or 1, 1, q, kv), or None.
+
+    sdpa masks are boolean (True = attend); eager masks are additive floats (0 or a very negative number).
+    None means what it means to SDPA: causal with upper-left alignment when q_len > 1, everything when q_len == 1.
+    """
+    if attention_mask is None:
+        return None
+    if attention_mask.dtype != torch.bool:
+        attention_mask = attention_mask > torch.finfo(attention_mask.dtype).min / 2
+    return attention_mask[..., :q_len, :kv_len]
+
+
+def causal_allowed(q_len: int, kv_len: int, device) -> torch.Tensor | None:
+    """The boolean mask that a None mask stands for (see ``allowed_from_mask``)."""
+    if q_len == 1:
+        return None
+    rows = torch.arange(q_len, device=device)[:, None]
+    cols = torch.arange(kv_len, device=device)[None, :]
+    return (cols <= rows)[None, None]  # (1, 1, q, kv)
+
+
+def _key_range(allowed: torch.Tensor | None, i0: int, i1: int, q_len: int, kv_len: int) -> tuple[int, int]:
+    """The smallest key interval [start, end) that holds every allowed key of query rows [i0, i1).
+
+    Why: causal and sliding-window masks allow a band, so blocks skip the keys no row of theirs can see.
+    """
+    if allowed is None:
+        return 0, (kv_len if q_len == 1 else min(i1, kv_len))
+    cols = allowed[..., i0:i1, :].any(dim=-2).flatten(0, -2).any(dim=0).nonzero()  # (n_allowed, 1)
+    if cols.numel() == 0:  # every row fully masked (padding): any range gives the same uniform garbage
+        return 0, kv_len
+    return int(cols[0]), int(cols[-1]) + 1
+
+
+def _block_allowed(allowed, i0, i1, k0, k1, q_len, device):
+    """The boolean mask of query rows [i0, i1) and keys [k0, k1), shaped to broadcast over (B, Hk, g, Bq, nk)."""
+    if allowed is not None:
+        return allowed[..., i0:i1, k0:k1]
+    if q_len == 1:
+        return None
+    rows = torch.arange(i0, i1, device=device)[:, None]
+    cols = torch.arange(k0, k1, device=device)[None, :]
+    return cols <= rows  # upper-left causal, as SDPA's is_causal (Bq, nk)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Reference path
+# --------------------------------------------------------------------------------------------------------------------
+def geodesic_scores_reference(
+    query: torch.Tensor,
+    factors: torch.Tensor,
+    key: torch.Tensor,
+    alpha: torch.Tensor,
+    gamma: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """s_ij of DESIGN 1.2, written out term by term. Materialises (B, H, q, r, kv): tests and short inputs only.
+
+    query (B, H, q, d); factors (B, H, q, r, d); key (B, H, kv, d); alpha, gamma (H,). Returns (B, H, q, kv).
+    """
+    gq = metric_query(query, factors, alpha)
+    linear = torch.einsum("bhid,bhjd->bhij", gq, key)  # (G_i q_i) . k_j
+    coords = torch.einsum("bhird,bhjd->bhirj", factors, key)  # U_i^T k_j: (B, H, q, r, kv)
+    quadratic = coords.pow(2).sum(-2)  # ||U_i^T k_j||^2: (B, H, q, kv)
+    a = alpha.view(1, -1, 1, 1).to(query.dtype)
+    g = gamma.view(1, -1, 1, 1).to(query.dtype)
+    return scale * (linear - 0.5 * g * key.pow(2).sum(-1)[:, :, None, :] - 0.5 * a * quadratic)
+
+
+def reference_geodesic_attention(
+    query, factors, key, value, alpha, gamma, scale, attention_mask=None, dropout=0.0, training=False
+):
+    """Softmax over geodesic scores, values aggregated unchanged. Returns output (B, H, q, d) and probabilities."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    compute = torch.promote_types(query.dtype, torch.float32)  # softmax in fp32 at least, fp64 stays fp64
+    scores = geodesic_scores_reference(query, factors, key, alpha, gamma, scale).to(compute)
+    allowed = allowed_from_mask(attention_mask, q_len, kv_len)
+    if allowed is None:
+        allowed = causal_allowed(q_len, kv_len, query.device)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1).to(query.dtype)
+    probs = torch.nn.functional.dropout(probs, p=dropout, training=training)
+    return torch.matmul(probs, value), probs
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Blocked path (default)
+# --------------------------------------------------------------------------------------------------------------------
+def _block_logits(pseudo, key, bias, half_alpha, scale, allowed_blk):
+    """Scores of one query block against one key slice, grouped by KV head.
+
+    pseudo (B, Hk, g, Bq, r+1, d) stacked [G_i q_i, u_i1..u_ir]; key (B, Hk, nk, d); bias (B, Hk, g, nk);
+    half_alpha (Hk, g); allowed_blk broadcastable to (B, Hk, g, Bq, nk) or None.
+    Returns logits (B, Hk, g, Bq, nk) in float32/64 and the raw products (B, Hk, g, Bq, r+1, nk).
+    """
+    b, hk, g, bq, r1, d = pseudo.shape
+    # One matmul for all r + 1 pseudo-queries of all heads in the group: (B, Hk, g*Bq*(r+1), d) @ (B, Hk, d, nk)
+    prods = torch.matmul(pseudo.reshape(b, hk, g * bq * r1, d), key.transpose(-1, -2))
+    prods = prods.view(b, hk, g, bq, r1, -1)  # (B, Hk, g, Bq, r+1, nk)
+    quadratic = prods[..., 1:, :].pow(2).sum(-2)  # ||U_i^T k_j||^2: (B, Hk, g, Bq, nk)
+    logits = prods[..., 0, :] + bias[:, :, :, None, :] - half_alpha[None, :, :, None, None] * quadratic
+    logits = logits * scale
+    if allowed_blk is not None:
+        logits = logits.masked_fill(~allowed_blk, torch.finfo(logits.dtype).min)
+    return logits, prods
+
+
+class _BlockedGeodesicAttention(torch.autograd.Function):
+    """Memory-bounded geodesic attention with a recomputing backward (flash-attention style, on plain matmuls).
+
+    Inputs are grouped by KV head so keys are never repeated: gq (B, Hk, g, q, d), factors (B, Hk, g, q, r, d),
+    half_alpha (Hk, g), bias (B, Hk, g, kv), key/value (B, Hk, kv, d); allowed (B|1, 1, 1, q, kv) bool or None.
+    """
+
+    @staticmethod
+    def forward(ctx, gq, factors, half_alpha, bias, key, value, allowed, scale, block_size):
+        b, hk, g, q_len, d = gq.shape
+        kv_len = key.shape[2]
+        compute = torch.promote_types(gq.dtype, torch.float32)  # why: low-precision inputs combine in fp32
+        out = gq.new_empty((b, hk, g, q_len, d), dtype=compute)
+        lse = gq.new_empty((b, hk, g, q_len), dtype=compute)
+        ha = half_alpha.to(compute)
+        for i0 in range(0, q_len, block_size):
+            i1 = min(i0 + block_size, q_len)
+            k0, k1 = _key_range(allowed, i0, i1, q_len, kv_len)
+            pseudo = torch.cat((gq[:, :, :, i0:i1, None, :], factors[:, :, :, i0:i1]), dim=-2).to(compute)
+            allowed_blk = _block_allowed(allowed, i0, i1, k0, k1, q_len, gq.device)
+            logits, _ = _block_logits(
+                pseudo, key[:, :, k0:k1].to(compute), bias[..., k0:k1].to(compute), ha, scale, allowed_blk
+            )
+            block_lse = torch.logsumexp(logits, dim=-1)  # (B, Hk, g, Bq)
+            probs = torch.exp(logits - block_lse.unsqueeze(-1))
+            # (B, Hk, g*Bq, nk) @ (B, Hk, nk, d) -> (B, Hk, g*Bq, d)
+            blk = torch.matmul(probs.view(b, hk, g * (i1 - i0), -1), value[:, :, k0:k1].to(compute))
+            out[:, :, :, i0:i1] = blk.view(b, hk, g, i1 - i0, d)
+            lse[:, :, :, i0:i1] = block_lse
+        ctx.save_for_backward(gq, factors, half_alpha, bias, key, value, allowed, out, lse)
+        ctx.scale, ctx.block_size = scale, block_size
+        return out.to(gq.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        gq, factors, half_alpha, bias, key, value, allowed, out, lse = ctx.saved_tensors
+        scale, block_size = ctx.scale, ctx.block_size
+        b, hk, g, q_len, d = gq.shape
+        kv_len = key.shape[2]
+        compute = out.dtype
+        ha = half_alpha.to(compute)
+        grad_out = grad_out.to(compute)
+        d_gq = torch.zeros_like(gq, dtype=compute)
+        d_factors = torch.zeros_like(factors, dtype=compute)
+        d_half_alpha = torch.zeros_like(half_alpha, dtype=compute)
+        d_bias = torch.zeros_like(bias, dtype=compute)
+        d_key = torch.zeros_like(key, dtype=compute)
+        d_value = torch.zeros_like(value, dtype=compute)
+        # D_i = sum_j P_ij dP_ij = dO_i . O_i (softmax backward without storing P)
+        delta = (grad_out * out).sum(-1)  # (B, Hk, g, q)
+        for i0 in range(0, q_len, block_size):
+            i1 = min(i0 + block_size, q_len)
+            bq = i1 - i0
+            k0, k1 = _key_range(allowed, i0, i1, q_len, kv_len)
+            pseudo = torch.cat((gq[:, :, :, i0:i1, None, :], factors[:, :, :, i0:i1]), dim=-2).to(compute)
+            allowed_blk = _block_allowed(allowed, i0, i1, k0, k1, q_len, gq.device)
+            k_blk, v_blk = key[:, :, k0:k1].to(compute), value[:, :, k0:k1].to(compute)
+            logits, prods = _block_logits(pseudo, k_blk, bias[..., k0:k1].to(compute), ha, scale, allowed_blk)
+            probs = torch.exp(logits - lse[:, :, :, i0:i1, None])  # (B, Hk, g, Bq, nk)
+            go = grad_out[:, :, :, i0:i1].reshape(b, hk, g * bq, d)
+            d_value[:, :, k0:k1] += torch.matmul(probs.view(b, hk, g * bq, -1).transpose(-1, -2), go)
+            d_probs = torch.matmul(go, v_blk.transpose(-1, -2)).view(b, hk, g, bq, -1)
+            d_logits = probs * (d_probs - delta[:, :, :, i0:i1, None]) * scale  # (B, Hk, g, Bq, nk)
+            d_bias[..., k0:k1] += d_logits.sum(-2)
+            coords = prods[..., 1:, :]  # U_i^T k_j: (B, Hk, g, Bq, r, nk)
+            d_half_alpha -= (d_logits.unsqueeze(-2) * coords.pow(2)).sum(dim=(0, 3, 4, 5))
+            # d/d(prods): 1 for the linear row, -2 (alpha/2) (U^T k) for the factor rows
+            d_prods = torch.cat(
+                (d_logits.unsqueeze(-2), -2.0 * ha[None, :, :, None, None, None] * d_logits.unsqueeze(-2) * coords),
+                dim=-2,
+            ).view(b, hk, g * bq * pseudo.shape[-2], -1)  # (B, Hk, g*Bq*(r+1), nk)
+            d_pseudo = torch.matmul(d_prods, k_blk).view(b, hk, g, bq, -1, d)  # (B, Hk, g, Bq, r+1, d)
+            d_gq[:, :, :, i0:i1] = d_pseudo[..., 0, :]
+            d_factors[:, :, :, i0:i1] = d_pseudo[..., 1:, :]
+            d_key[:, :, k0:k1] += torch.matmul(d_prods.transpose(-1, -2), pseudo.reshape(b, hk, -1, d))
+        return (
+            d_gq.to(gq.dtype),
+            d_factors.to(factors.dtype),
+            d_half_alpha.to(half_alpha.dtype),
+            d_bias.to(bias.dtype),
+            d_key.to(key.dtype),
+            d_value.to(value.dtype),
+            None,
+            None,
+            None,
+        )
+
+
+def blocked_geodesic_attention(
+    query, factors, key, value, alpha, gamma, scale, attention_mask=None, block_size=256
+) -> torch.Tensor:
+    """The default path: same function as ``reference_geodesic_attention``, extra memory O(n * block).
+
+    query (B, H, q, d) after RoPE; factors (B, H, q, r, d) after RoPE; key, value (B, Hk, kv, d) (not repeated);
+    alpha, gamma (H,). Returns the attention output (B, H, q, d).
+    """
+    b, h, q_len, d = query.shape
+    hk, kv_len = key.shape[1], key.shape[2]
+    g = h // hk
+    gq = metric_query(query, factors, alpha)
+    # -(gamma/2)||k_j||^2 per query head: (B, Hk, 1, kv) * (Hk, g) -> (B, Hk, g, kv)
+    bias = -0.5 * key.pow(2).sum(-1)[:, :, None, :] * gamma.view(1, hk, g, 1).to(key.dtype)
+    allowed = allowed_from_mask(attention_mask, q_len, kv_len)
+    if allowed is not None:
+        allowed = allowed.unsqueeze(2)  # (B|1, 1, 1, q, kv): broadcast over (Hk, g)
+    out = _BlockedGeodesicAttention.apply(
+        gq.view(b, hk, g, q_len, d),  # heads h = kv_head * g + j, as repeat_kv orders them
+        factors.reshape(b, hk, g, q_len, -1, d),
+        0.5 * alpha.view(hk, g),
+        bias,
+        key,
+        value,
+        allowed,
+        scale,
+        block_size,
+    )
+    return out.view(b, h, q_len, d)
+
+
+def blocked_attention_probs(query, factors, key, alpha, gamma, scale, attention_mask=None, block_size=256):
+    """Attention probabilities (B, H, q, kv), computed block by block (for ``output_attentions``; no gradient)."""
+    with torch.no_grad():
+        blocks = []
+        for i0 in range(0, query.shape[2], block_size):
+            i1 = min(i0 + block_size, query.shape[2])
+            mask = None if attention_mask is None else attention_mask[..., i0:i1, :]
+            if attention_mask is None and query.shape[2] > 1:
+                mask = causal_allowed(query.shape[2], key.shape[2], query.device)[..., i0:i1, :]
+            scores = geodesic_scores_reference(query[:, :, i0:i1], factors[:, :, i0:i1], key, alpha, gamma, scale)
+            allowed = allowed_from_mask(mask, i1 - i0, key.shape[2])
+            if allowed is not None:
+                scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+            compute = torch.promote_types(scores.dtype, torch.float32)
+            blocks.append(torch.softmax(scores.to(compute), dim=-1).to(query.dtype))
+        return torch.cat(blocks, dim=2)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Metric-preconditioned MLP step (DESIGN 1.3)
+# --------------------------------------------------------------------------------------------------------------------
+def woodbury_precondition(update: torch.Tensor, factors: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    """M^{-1} y with M = I_D + beta V V^T, by Woodbury: y - beta V (I_r + beta V^T V)^{-1} V^T y.
+
+    update y (..., D); factors (..., r, D) row-wise (V^T); beta scalar tensor. O(D r^2 + r^3) per token, never D x D.
+    """
+    compute = torch.promote_types(update.dtype, torch.float32)  # why: linalg.solve has no half-precision kernels
+    y, v = update.to(compute), factors.to(compute)
+    beta = beta.to(compute)
+    r = v.shape[-2]
+    coords = torch.matmul(v, y.unsqueeze(-1))  # V^T y: (..., r, 1)
+    system = torch.eye(r, dtype=compute, device=y.device) + beta * metric_gram(v)  # (..., r, r), SPD
+    solved = torch.linalg.solve(system, coords)  # (..., r, 1)
+    correction = torch.matmul(solved.transpose(-1, -2), v).squeeze(-2)  # V (.)^{-1} V^T y: (..., D)
+    return (y - beta * correction).to(update.dtype)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Connection observables (DESIGN 1.4), all from r x r Gram matrices
+# --------------------------------------------------------------------------------------------------------------------
+def curvature_proxy(factors: torch.Tensor, alpha: torch.Tensor, token_mask: torch.Tensor | None = None):
+    """Mean over i of ||G_{i+1} - G_i||_F^2 / ||G_i||_F^2, per head-averaged, from r x r Grams only.
+
+    factors (B, H, n, r, d) in each token's own frame; alpha (H,); token_mask (B, n) bool or None. Returns a scalar.
+    ||A A^T - B B^T||_F^2 = ||A^T A||^2 + ||B^T B||^2 - 2 ||A^T B||^2 and ||G||_F^2 = d + 2 a tr(B^T B) + a^2 ||B^T B||^2.
+    """
+    d = factors.shape[-1]
+    a = alpha.view(1, -1, 1).to(factors.dtype)
+    nxt, cur = factors[:, :, 1:], factors[:, :, :-1]  # (B, H, n-1, r, d)
+    gram_cur = metric_gram(cur)
+    cross = torch.matmul(nxt, cur.transpose(-1, -2))  # A^T B: (B, H, n-1, r, r)
+    sq = lambda m: m.pow(2).sum(dim=(-2, -1))  # noqa: E731  squared Frobenius norm of r x r matrices
+    diff = a.pow(2) * (sq(metric_gram(nxt)) + sq(gram_cur) - 2 * sq(cross))
+    norm = d + 2 * a * gram_cur.diagonal(dim1=-2, dim2=-1).sum(-1) + a.pow(2) * sq(gram_cur)
+    ratio = diff.clamp_min(0) / norm  # (B, H, n-1)
+    if token_mask is None:
+        return ratio.mean()
+    pair = (token_mask[:, 1:] & token_mask[:, :-1])[:, None, :].to(ratio.dtype)  # (B, 1, n-1)
+    return (ratio * pair).sum() / (pair.sum() * ratio.shape[1]).clamp_min(1)
+
+
+def torsion_proxy(
+    factors: torch.Tensor,
+    key: torch.Tensor,
+    alpha: torch.Tensor,
+    block_size: int,
+    token_mask: torch.Tensor | None = None,
+):
+    """||D - D^T||_F / ||D||_F with D_ij = (k_i - k_j)^T G_i (k_i - k_j), on pairs inside blocks of consecutive tokens.
+
+    factors (B, H, n, r, d), key (B, H, n, d) both in each token's own frame (before RoPE); alpha (H,).
+    Cost O(n * block * d * r); zero for a homogeneous metric. Returns a scalar.
+    """
+    b, h, n, r, d = factors.shape
+    pad = (-n) % block_size
+    if pad:  # why: pad to whole blocks; padded tokens are masked out below
+        factors = torch.nn.functional.pad(factors, (0, 0, 0, 0, 0, pad))
+        key = torch.nn.functional.pad(key, (0, 0, 0, pad))
+    valid = torch.ones(b, n, dtype=torch.bool, device=key.device) if token_mask is None else token_mask.bool()
+    valid = torch.nn.functional.pad(valid, (0, pad))
+    nb = (n + pad) // block_size
+    u = factors.reshape(b, h, nb, block_size, r, d)  # (B, H, nb, T, r, d)
+    k = key.reshape(b, h, nb, block_size, d)  # (B, H, nb, T, d)
+    diff = k[:, :, :, :, None, :] - k[:, :, :, None, :, :]  # k_i - k_j: (B, H, nb, T, T, d)
+    coords = torch.einsum("bhnird,bhnijd->bhnijr", u, diff)  # U_i^T (k_i - k_j): (B, H, nb, T, T, r)
+    a = alpha.view(1, -1, 1, 1, 1).to(key.dtype)
+    dist = diff.pow(2).sum(-1) + a * coords.pow(2).sum(-1)  # D_ij: (B, H, nb, T, T)
+    v = valid.view(b, 1, nb, block_size)
+    pair = (v[..., :, None] & v[..., None, :]).to(dist.dtype)  # (B, 1, nb, T, T)
+    asym = ((dist - dist.transpose(-1, -2)).pow(2) * pair).sum()
+    total = (dist.pow(2) * pair).sum()
+    # why the where: sqrt has an infinite slope at 0, and asym is exactly 0 at the graft (alpha = 0)
+    nonzero = asym > 0
+    root = torch.where(nonzero, torch.where(nonzero, asym, torch.ones_like(asym)).sqrt(), torch.zeros_like(asym))
+    return root / torch.sqrt(total.clamp_min(torch.finfo(dist.dtype).tiny))
+
+
+def anisotropy(factors: torch.Tensor, alpha: torch.Tensor, token_mask: torch.Tensor | None = None):
+    """Mean over tokens and heads of log(1 + alpha sigma_max(U_i)^2), sigma_max^2 from the r x r Gram. Scalar."""
+    sigma_sq = torch.linalg.eigvalsh(metric_gram(factors).to(torch.promote_types(factors.dtype, torch.float32)))
+    value = torch.log1p(alpha.view(1, -1, 1).to(sigma_sq.dtype) * sigma_sq[..., -1])  # (B, H, n)
+    if token_mask is None:
+        return value.mean()
+    w = token_mask[:, None, :].to(value.dtype)
+    return (value * w).sum() / (w.sum() * value.shape[1]).clamp_min(1)

@@ -1,0 +1,637 @@
+"""PyTorch Fiber Bundle Transformer: a LLaMA-family decoder whose tokens carry their own low-rank Riemannian metric.
+
+Per layer (DESIGN.md section 1):
+    z_i   = act(W_z RMSNorm(x_i))                               the fibre code (``fiber.code_proj``)
+    U_i   = bounded(W_U z_i) in R^{d x r} per head / KV group   attention metric factors (``fiber.attn_factor_proj``)
+    G_i   = I + alpha U_i U_i^T,  alpha = exp(theta) - 1        (``fiber.attn_gate`` holds theta)
+    s_ij  = scale [(G_i q_i).k_j - gamma/2 ||k_j||^2 - alpha/2 ||U_i^T k_j||^2]   (``fiber.flatness_gate`` is gamma)
+    x_i  <- x_i + M_i^{-1} MLP(RMSNorm(x_i)),  M_i = I + beta V_i V_i^T,  beta = exp(phi) - 1   (``fiber.ffn_gate``)
+
+Backbone modules keep transformers' names (``q_proj``, ``gate_proj``, ``input_layernorm``, ...); all new parameters sit in
+one submodule per layer, ``model.layers.{i}.fiber``. With every gate at 0 the model is exactly its backbone.
+
+Only torch, transformers and sibling files are imported: this file is copied into every published Hub folder.
+"""
+
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .configuration_fiber_bundle import FiberBundleConfig
+from .fiber_attention import (
+    anisotropy,
+    apply_rotary,
+    blocked_attention_probs,
+    blocked_geodesic_attention,
+    bounded_factors,
+    curvature_proxy,
+    reference_geodesic_attention,
+    rotate_factors,
+    torsion_proxy,
+    woodbury_precondition,
+)
+
+GEOMETRY_KEYS = ("curvature", "torsion", "anisotropy")
+# RoPE types whose frequencies are fixed at construction (dynamic types would need per-call updates).
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def _pop_deprecated_cache(cache, kwargs):
+    """Accept the pre-5.24 keyword ``past_key_values`` as an alias of ``cache``, with a FutureWarning."""
+    if "past_key_values" in kwargs:
+        legacy = kwargs.pop("past_key_values")
+        warnings.warn(
+            "`past_key_values` is deprecated for Fiber Bundle models; pass the cache as `cache=` (transformers 5.24 "
+            "naming).",
+            FutureWarning,
+            stacklevel=3,
+        )
+        if cache is None:
+            cache = legacy
+    return cache
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Backbone helpers
+# ----------------------------------------------------------------------------------------------------------------------
+class FiberBundleRMSNorm(nn.Module):
+    # Copied from transformers 5.24 models/llama/modeling_llama.py (LlamaRMSNorm)
+    def __init__(self, hidden_size, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+    def extra_repr(self):
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+class FiberBundleRotaryEmbedding(nn.Module):
+    # Adapted from transformers 5.24 models/llama/modeling_llama.py (LlamaRotaryEmbedding), static RoPE types only
+    def __init__(self, config: FiberBundleConfig):
+        super().__init__()
+        self.config = config
+        self.rope_type = config.rope_parameters.get("rope_type", "default")
+        if self.rope_type not in STATIC_ROPE_TYPES:
+            raise ValueError(
+                f"rope_parameters['rope_type']={self.rope_type!r} is not supported by Fiber Bundle models; "
+                f"supported: {STATIC_ROPE_TYPES}."
+            )
+        rope_init_fn: Callable = self.compute_default_rope_parameters
+        if self.rope_type != "default":
+            rope_init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
+        inv_freq, self.attention_scaling = rope_init_fn(config)
+        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
+        self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
+
+    @staticmethod
+    def compute_default_rope_parameters(config: FiberBundleConfig, **kwargs) -> tuple[torch.Tensor, float]:
+        base = config.rope_parameters["rope_theta"]
+        dim = config.head_dim
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        return inv_freq, 1.0
+
+    def forward(self, x, position_ids):
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
+
+
+class FiberBundleMLP(nn.Module):
+    # Copied from transformers 5.24 models/llama/modeling_llama.py (LlamaMLP)
+    def __init__(self, config):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
+    # Copied from transformers 5.24 models/llama/modeling_llama.py
+    batch, num_key_value_heads, slen, head_dim = hidden_states.shape
+    if n_rep == 1:
+        return hidden_states
+    hidden_states = hidden_states[:, :, None, :, :].expand(batch, num_key_value_heads, n_rep, slen, head_dim)
+    return hidden_states.reshape(batch, num_key_value_heads * n_rep, slen, head_dim)
+
+
+def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    # Copied from transformers 5.24 models/llama/modeling_llama.py (used when metric_rank == 0)
+    key_states = repeat_kv(key, module.num_key_value_groups)
+    value_states = repeat_kv(value, module.num_key_value_groups)
+    attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        attn_weights = attn_weights + attention_mask
+    attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
+    attn_output = torch.matmul(attn_weights, value_states)
+    attn_output = attn_output.transpose(1, 2).contiguous()
+    return attn_output, attn_weights
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The fibre: per-token metric generators and gates
+# ----------------------------------------------------------------------------------------------------------------------
+class FiberState(NamedTuple):
+    """What the fibre module hands to attention and MLP for one layer (factors row-wise, in the token's own frame)."""
+
+    attn_factors: torch.Tensor | None  # (B, Hf, n, r, d), spectral norm < 1
+    alpha: torch.Tensor | None  # (H,)  alpha = exp(theta) - 1
+    gamma: torch.Tensor | None  # (H,)
+    ffn_factors: torch.Tensor | None  # (B, n, r_f, D), spectral norm < 1
+    beta: torch.Tensor | None  # ()    beta = exp(phi) - 1
+
+
+class FiberBundleMetric(nn.Module):
+    """All new parameters of one layer: the fibre code, the factor generators and the gates.
+
+    Everything is returned by ``forward`` (not read as attributes) so that wrappers such as PEFT's ``modules_to_save``
+    see and train the copy they hold.
+    """
+
+    def __init__(self, config: FiberBundleConfig):
+        super().__init__()
+        self.metric_rank = config.metric_rank
+        self.ffn_metric_rank = config.ffn_metric_rank
+        self.head_dim = config.head_dim
+        self.hidden_size = config.hidden_size
+        self.factor_heads = (
+            config.num_attention_heads if config.metric_factor_sharing == "head" else config.num_key_value_heads
+        )
+        self.code_proj = nn.Linear(config.hidden_size, config.metric_hidden, bias=False)  # W_z
+        self.code_act = nn.Identity() if config.metric_act == "identity" else ACT2FN[config.metric_act]
+        if self.metric_rank > 0:
+            self.attn_factor_proj = nn.Linear(  # W_U
+                config.metric_hidden, self.factor_heads * self.metric_rank * self.head_dim, bias=True
+            )
+            self.attn_gate = nn.Parameter(torch.zeros(config.num_attention_heads))  # theta
+            self.flatness_gate = nn.Parameter(torch.zeros(config.num_attention_heads))  # gamma
+        if self.ffn_metric_rank > 0:
+            self.ffn_factor_proj = nn.Linear(  # W_V
+                config.metric_hidden, self.ffn_metric_rank * config.hidden_size, bias=True
+            )
+            self.ffn_gate = nn.Parameter(torch.zeros(()))  # phi
+
+    def forward(self, normed_hidden: torch.Tensor) -> FiberState:
+        b, n, _ = normed_hidden.shape
+        code = self.code_act(self.code_proj(normed_hidden))  # z: (B, n, m)
+        attn_factors = alpha = gamma = ffn_factors = beta = None
+        if self.metric_rank > 0:
+            raw = self.attn_factor_proj(code).view(b, n, self.factor_heads, self.metric_rank, self.head_dim)
+            attn_factors = bounded_factors(raw.transpose(1, 2))  # (B, Hf, n, r, d)
+            alpha = torch.expm1(self.attn_gate)
+            gamma = self.flatness_gate
+        if self.ffn_metric_rank > 0:
+            raw = self.ffn_factor_proj(code).view(b, n, self.ffn_metric_rank, self.hidden_size)
+            ffn_factors = bounded_factors(raw)  # (B, n, r_f, D)
+            beta = torch.expm1(self.ffn_gate)
+        return FiberState(attn_factors, alpha, gamma, ffn_factors, beta)
+
+
+def expand_factors(factors: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """(B, Hf, n, r, d) -> (B, H, n, r, d): a KV group's factors serve each of its query heads (repeat_kv order)."""
+    b, hf, n, r, d = factors.shape
+    if hf == num_heads:
+        return factors
+    return factors[:, :, None].expand(b, hf, num_heads // hf, n, r, d).reshape(b, num_heads, n, r, d)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Attention, decoder layer
+# ----------------------------------------------------------------------------------------------------------------------
+class FiberBundleAttention(nn.Module):
+    """Grouped-query attention whose scores are geodesic distances in the query token's metric (metric_rank > 0), or the
+    backbone's own attention through transformers' attention interface (metric_rank == 0)."""
+
+    def __init__(self, config: FiberBundleConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = True
+        self.sliding_window = config.sliding_window if config.layer_types[layer_idx] == "sliding_attention" else None
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=config.attention_bias)
+        self.k_proj = nn.Linear(
+            config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias
+        )
+        self.v_proj = nn.Linear(
+            config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
+        if config.qk_norm:  # Qwen3: per-head RMSNorm of q and k before RoPE
+            self.q_norm = FiberBundleRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = FiberBundleRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        fiber_state: FiberState | None = None,
+        output_attentions: bool = False,
+        output_geometry: bool = False,
+        token_mask: torch.Tensor | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, dict | None]:
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states = self.q_proj(hidden_states).view(hidden_shape)  # (B, n, H, d)
+        key_states = self.k_proj(hidden_states).view(hidden_shape)  # (B, n, Hk, d)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, Hk, n, d)
+        if self.config.qk_norm:
+            query_states, key_states = self.q_norm(query_states), self.k_norm(key_states)
+        query_states, key_states = query_states.transpose(1, 2), key_states.transpose(1, 2)  # (B, H|Hk, n, d)
+
+        geometry = None
+        if output_geometry and fiber_state is not None and fiber_state.attn_factors is not None:
+            # measured in each token's own frame (before RoPE), where a homogeneous metric is one constant matrix
+            geometry = layer_geometry(
+                expand_factors(fiber_state.attn_factors, self.num_heads),
+                repeat_kv(key_states, self.num_key_value_groups),
+                fiber_state.alpha,
+                self.config.geometry_block_size,
+                token_mask,
+            )
+
+        cos, sin = position_embeddings  # (B, n, d)
+        query_states = apply_rotary(query_states, cos[:, None], sin[:, None])
+        key_states = apply_rotary(key_states, cos[:, None], sin[:, None])
+        if cache is not None:
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
+
+        dropout = self.attention_dropout if self.training else 0.0
+        if fiber_state is None or fiber_state.attn_factors is None:
+            attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+                self.config._attn_implementation, eager_attention_forward
+            )
+            kwargs.pop("output_attentions", None)
+            attn_output, attn_weights = attention_interface(
+                self,
+                query_states,
+                key_states,
+                value_states,
+                attention_mask,
+                dropout=dropout,
+                scaling=self.scaling,
+                sliding_window=self.sliding_window,
+                **kwargs,
+            )
+        else:
+            attn_output, attn_weights = self._geodesic_attention(
+                query_states, key_states, value_states, attention_mask, fiber_state, cos, sin, dropout,
+                output_attentions,
+            )
+            attn_output = attn_output.transpose(1, 2)  # (B, n, H, d)
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        return self.o_proj(attn_output), (attn_weights if output_attentions else None), geometry
+
+    def _geodesic_attention(self, query, key, value, attention_mask, state, cos, sin, dropout, output_attentions):
+        # the factors turn with the query's rotary embedding, like q_i (relative positions only)
+        factors = expand_factors(rotate_factors(state.attn_factors, cos, sin), self.num_heads)  # (B, H, n, r, d)
+        if self.config.fiber_attention_path == "reference" or dropout > 0:
+            keys, values = repeat_kv(key, self.num_key_value_groups), repeat_kv(value, self.num_key_value_groups)
+            return reference_geodesic_attention(
+                query, factors, keys, values, state.alpha, state.gamma, self.scaling, attention_mask, dropout, True
+            )
+        block = self.config.attention_block_size
+        out = blocked_geodesic_attention(
+            query, factors, key, value, state.alpha, state.gamma, self.scaling, attention_mask, block
+        )
+        probs = None
+        if output_attentions:
+            probs = blocked_attention_probs(
+                query, factors, repeat_kv(key, self.num_key_value_groups), state.alpha, state.gamma, self.scaling,
+                attention_mask, block,
+            )
+        return out, probs
+
+
+def layer_geometry(factors, keys, alpha, block_size, token_mask=None) -> dict[str, torch.Tensor]:
+    """The connection observables of DESIGN 1.4 for one layer (scalars)."""
+    return {
+        "curvature": curvature_proxy(factors, alpha, token_mask),
+        "torsion": torsion_proxy(factors, keys, alpha, block_size, token_mask),
+        "anisotropy": anisotropy(factors, alpha, token_mask),
+    }
+
+
+class FiberBundleDecoderLayer(GradientCheckpointingLayer):
+    def __init__(self, config: FiberBundleConfig, layer_idx: int):
+        super().__init__()
+        self.hidden_size = config.hidden_size
+        self.self_attn = FiberBundleAttention(config=config, layer_idx=layer_idx)
+        self.mlp = FiberBundleMLP(config)
+        self.input_layernorm = FiberBundleRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = FiberBundleRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if config.metric_rank > 0 or config.ffn_metric_rank > 0:
+            self.fiber = FiberBundleMetric(config)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        output_attentions: bool = False,
+        output_geometry: bool = False,
+        token_mask: torch.Tensor | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, dict | None]:
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        fiber_state = self.fiber(hidden_states) if hasattr(self, "fiber") else None
+        hidden_states, attn_weights, geometry = self.self_attn(
+            hidden_states,
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=use_cache,
+            fiber_state=fiber_state,
+            output_attentions=output_attentions,
+            output_geometry=output_geometry,
+            token_mask=token_mask,
+            **kwargs,
+        )
+        hidden_states = residual + hidden_states
+
+        residual = hidden_states
+        update = self.mlp(self.post_attention_layernorm(hidden_states))
+        if fiber_state is not None and fiber_state.ffn_factors is not None:
+            # metric-preconditioned step: x <- x + M^{-1} MLP(RMSNorm(x)), Woodbury inverse, never D x D
+            update = woodbury_precondition(update, fiber_state.ffn_factors, fiber_state.beta)
+        hidden_states = residual + update
+        return hidden_states, attn_weights, geometry
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Pretrained model classes
+# ----------------------------------------------------------------------------------------------------------------------
+@dataclass
+class FiberBundleModelOutputWithPast(BaseModelOutputWithPast):
+    """``BaseModelOutputWithPast`` plus ``geometry``: per-layer curvature, torsion and anisotropy proxies, each a
+    tensor of shape (num_metric_layers,), when called with ``output_geometry=True``."""
+
+    geometry: dict[str, torch.Tensor] | None = None
+
+
+@dataclass
+class FiberBundleCausalLMOutputWithPast(CausalLMOutputWithPast):
+    """``CausalLMOutputWithPast`` plus ``geometry`` (see ``FiberBundleModelOutputWithPast``)."""
+
+    geometry: dict[str, torch.Tensor] | None = None
+
+
+class FiberBundlePreTrainedModel(PreTrainedModel):
+    config_class = FiberBundleConfig
+    config: FiberBundleConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["FiberBundleDecoderLayer"]
+    _supports_sdpa = True  # metric_rank == 0 dispatches to sdpa; geodesic layers accept sdpa and eager masks
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    _supports_attention_backend = False
+    _can_compile_fullgraph = False
+    _can_record_outputs = None
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, FiberBundleMetric):
+            cfg = self.config
+            factor_std = cfg.metric_factor_init_std or 1.0 / math.sqrt(cfg.metric_hidden)
+            # W_z small random (the code), W_U / W_V random (bounded by the map): never zero, since a metric
+            # I + U U^T with U = 0 is a saddle whose gradient in U vanishes. The gates carry the graft.
+            init.normal_(module.code_proj.weight, mean=0.0, std=cfg.initializer_range)
+            if module.metric_rank > 0:
+                init.normal_(module.attn_factor_proj.weight, mean=0.0, std=factor_std)
+                init.zeros_(module.attn_factor_proj.bias)
+                init.constant_(module.attn_gate, math.log1p(cfg.metric_gate_init))
+                init.constant_(module.flatness_gate, cfg.flatness_gate_init)
+            if module.ffn_metric_rank > 0:
+                init.normal_(module.ffn_factor_proj.weight, mean=0.0, std=factor_std)
+                init.zeros_(module.ffn_factor_proj.bias)
+                init.constant_(module.ffn_gate, math.log1p(cfg.ffn_gate_init))
+
+    def geometry_parameters(self) -> list[nn.Parameter]:
+        """The parameters of every layer's ``fiber`` module (metric generators and gates)."""
+        return [p for name, p in self.named_parameters() if ".fiber." in f".{name}"]
+
+
+def _as_flags(kwargs, config):
+    output_attentions = kwargs.pop("output_attentions", None)
+    output_hidden_states = kwargs.pop("output_hidden_states", None)
+    if output_attentions is None:
+        output_attentions = bool(getattr(config, "output_attentions", False))
+    if output_hidden_states is None:
+        output_hidden_states = bool(getattr(config, "output_hidden_states", False))
+    return output_attentions, output_hidden_states
+
+
+class FiberBundleModel(FiberBundlePreTrainedModel):
+    def __init__(self, config: FiberBundleConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList(
+            [FiberBundleDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
+        )
+        self.norm = FiberBundleRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = FiberBundleRotaryEmbedding(config=config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_geometry: bool | None = None,
+        **kwargs,
+    ) -> FiberBundleModelOutputWithPast:
+        cache = _pop_deprecated_cache(cache, kwargs)
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        output_attentions, output_hidden_states = _as_flags(kwargs, self.config)
+        use_cache = use_cache if use_cache is not None else self.config.use_cache
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            use_cache = False  # the layers would drop it anyway; do not build a cache nobody fills
+
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        if position_ids is None:
+            past_seen_tokens = cache.get_seq_length() if cache is not None else 0
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
+            position_ids = position_ids.unsqueeze(0)
+
+        if not isinstance(mask_mapping := attention_mask, dict):
+            mask_kwargs = {
+                "config": self.config,
+                "inputs_embeds": inputs_embeds,
+                "attention_mask": attention_mask,
+                "cache": cache,
+                "position_ids": position_ids,
+            }
+            mask_mapping = {"full_attention": create_causal_mask(**mask_kwargs)}
+            if "sliding_attention" in self.config.layer_types:
+                mask_mapping["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
+
+        token_mask = None  # which query positions are real tokens (for the geometry averages)
+        if output_geometry and isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+            token_mask = attention_mask[:, -inputs_embeds.shape[1] :].bool()
+
+        hidden_states = inputs_embeds
+        position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+        all_hidden_states = (hidden_states,) if output_hidden_states else None
+        all_attentions = () if output_attentions else None
+        geometry = {key: [] for key in GEOMETRY_KEYS} if output_geometry else None
+        for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+            hidden_states, attn_weights, layer_geo = decoder_layer(
+                hidden_states,
+                attention_mask=mask_mapping[self.config.layer_types[decoder_layer.self_attn.layer_idx]],
+                position_embeddings=position_embeddings,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=use_cache,
+                output_attentions=output_attentions,
+                output_geometry=bool(output_geometry),
+                token_mask=token_mask,
+                **kwargs,
+            )
+            if output_hidden_states:
+                all_hidden_states += (hidden_states,)
+            if output_attentions:
+                all_attentions += (attn_weights,)
+            if layer_geo is not None:
+                for key in GEOMETRY_KEYS:
+                    geometry[key].append(layer_geo[key])
+
+        hidden_states = self.norm(hidden_states)
+        if output_hidden_states:  # transformers convention: the last entry is the normed final state
+            all_hidden_states = all_hidden_states[:-1] + (hidden_states,)
+        if geometry is not None:
+            geometry = {k: torch.stack(v) for k, v in geometry.items()} if geometry["curvature"] else None
+        return FiberBundleModelOutputWithPast(
+            last_hidden_state=hidden_states,
+            cache=cache if use_cache else None,
+            hidden_states=all_hidden_states,
+            attentions=all_attentions,
+            geometry=geometry,
+        )
+
+
+class FiberBundleForCausalLM(FiberBundlePreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+
+    def __init__(self, config: FiberBundleConfig):
+        super().__init__(config)
+        self.model = FiberBundleModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        output_geometry: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> FiberBundleCausalLMOutputWithPast:
+        r"""
+        Causal LM forward. ``output_geometry=True`` adds ``geometry``: per-layer curvature, torsion and anisotropy
+        proxies. With labels and non-zero ``config.curvature_weight`` / ``config.torsion_weight``, the weighted layer
+        means of those proxies are added to the loss.
+
+        Example:
+
+        ```python
+        >>> from transformers import AutoModelForCausalLM, AutoTokenizer
+        >>> model = AutoModelForCausalLM.from_pretrained("path/to/fiber-bundle-model", trust_remote_code=True)
+        >>> tokenizer = AutoTokenizer.from_pretrained("path/to/fiber-bundle-model")
+        >>> out = model(**tokenizer("The capital of France is", return_tensors="pt"), output_geometry=True)
+        >>> out.geometry["curvature"]  # one value per layer
+        ```"""
+        cache = _pop_deprecated_cache(cache, kwargs)
+        regularise = labels is not None and (self.config.curvature_weight > 0 or self.config.torsion_weight > 0)
+        outputs: FiberBundleModelOutputWithPast = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_geometry=bool(output_geometry) or regularise,
+            **kwargs,
+        )
+        hidden_states = outputs.last_hidden_state
+        slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, slice_indices, :])
+
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+            if regularise and outputs.geometry is not None:
+                loss = loss + self.config.curvature_weight * outputs.geometry["curvature"].mean()
+                loss = loss + self.config.torsion_weight * outputs.geometry["torsion"].mean()
+
+        output = FiberBundleCausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            cache=outputs.cache,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            geometry=outputs.geometry if output_geometry else None,
+        )
+        return output if return_dict is not False else output.to_tuple()
+
+
+__all__ = ["FiberBundleForCausalLM", "FiberBundleModel", "FiberBundlePreTrainedModel"]
