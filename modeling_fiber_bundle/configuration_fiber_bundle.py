@@ -22,8 +22,8 @@ class FiberBundleConfig(PreTrainedConfig):
 
     Backbone arguments have the meaning they have in `LlamaConfig` / `Qwen3Config` (`vocab_size`, `hidden_size`,
     `intermediate_size`, `num_hidden_layers`, `num_attention_heads`, `num_key_value_heads`, `head_dim`, `hidden_act`,
-    `max_position_embeddings`, `initializer_range`, `rms_norm_eps`, `rope_parameters`, `attention_bias` (Qwen2's q/k/v
-    bias), `mlp_bias`, `qk_norm` (Qwen3's per-head q/k RMSNorm), `tie_word_embeddings`, `sliding_window`, `layer_types`).
+    `max_position_embeddings`, `initializer_range`, `rms_norm_eps`, `rope_parameters`, `attention_bias` (bias of q/k/v,
+    and of o unless `attention_out_bias` says otherwise: Qwen2 has q/k/v bias and no o bias), `mlp_bias`, `qk_norm` (Qwen3's per-head q/k RMSNorm), `tie_word_embeddings`, `sliding_window`, `layer_types`).
 
     Geometry arguments:
         metric_rank (`int`, defaults to 2):
@@ -95,6 +95,7 @@ class FiberBundleConfig(PreTrainedConfig):
     tie_word_embeddings: bool = False
     rope_parameters: dict | None = None
     attention_bias: bool = False
+    attention_out_bias: bool | None = None
     attention_dropout: float | int = 0.0
     mlp_bias: bool = False
     qk_norm: bool = False
@@ -126,6 +127,8 @@ class FiberBundleConfig(PreTrainedConfig):
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None and self.num_attention_heads:
             self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.attention_out_bias is None:
+            self.attention_out_bias = self.attention_bias
         if self.layer_types is None:
             kind = "sliding_attention" if self.sliding_window is not None else "full_attention"
             self.layer_types = [kind] * self.num_hidden_layers

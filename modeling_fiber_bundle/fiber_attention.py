@@ -140,6 +140,16 @@ def _block_allowed(allowed, i0, i1, k0, k1, q_len, device):
     return cols <= rows  # upper-left causal, as SDPA's is_causal (Bq, nk)
 
 
+def zero_empty_rows(probs: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """Rows with no allowed key (left padding) attend to nothing: output 0, as flash attention does.
+
+    Why: a uniform row over all keys would read future tokens into padded positions, breaking causality there.
+    """
+    if allowed is None or allowed.dtype != torch.bool:
+        return probs
+    return probs * allowed.any(dim=-1, keepdim=True).to(probs.dtype)
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Reference path
 # --------------------------------------------------------------------------------------------------------------------
@@ -176,7 +186,7 @@ def reference_geodesic_attention(
         allowed = causal_allowed(q_len, kv_len, query.device)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores, dim=-1).to(query.dtype)
+    probs = zero_empty_rows(torch.softmax(scores, dim=-1), allowed).to(query.dtype)
     probs = torch.nn.functional.dropout(probs, p=dropout, training=training)
     return torch.matmul(probs, value), probs
 
@@ -227,7 +237,7 @@ class _BlockedGeodesicAttention(torch.autograd.Function):
                 pseudo, key[:, :, k0:k1].to(compute), bias[..., k0:k1].to(compute), ha, scale, allowed_blk
             )
             block_lse = torch.logsumexp(logits, dim=-1)  # (B, Hk, g, Bq)
-            probs = torch.exp(logits - block_lse.unsqueeze(-1))
+            probs = zero_empty_rows(torch.exp(logits - block_lse.unsqueeze(-1)), allowed_blk)
             # (B, Hk, g*Bq, nk) @ (B, Hk, nk, d) -> (B, Hk, g*Bq, d)
             blk = torch.matmul(probs.view(b, hk, g * (i1 - i0), -1), value[:, :, k0:k1].to(compute))
             out[:, :, :, i0:i1] = blk.view(b, hk, g, i1 - i0, d)
@@ -261,7 +271,7 @@ class _BlockedGeodesicAttention(torch.autograd.Function):
             allowed_blk = _block_allowed(allowed, i0, i1, k0, k1, q_len, gq.device)
             k_blk, v_blk = key[:, :, k0:k1].to(compute), value[:, :, k0:k1].to(compute)
             logits, prods = _block_logits(pseudo, k_blk, bias[..., k0:k1].to(compute), ha, scale, allowed_blk)
-            probs = torch.exp(logits - lse[:, :, :, i0:i1, None])  # (B, Hk, g, Bq, nk)
+            probs = zero_empty_rows(torch.exp(logits - lse[:, :, :, i0:i1, None]), allowed_blk)  # (B, Hk, g, Bq, nk)
             go = grad_out[:, :, :, i0:i1].reshape(b, hk, g * bq, d)
             d_value[:, :, k0:k1] += torch.matmul(probs.view(b, hk, g * bq, -1).transpose(-1, -2), go)
             d_probs = torch.matmul(go, v_blk.transpose(-1, -2)).view(b, hk, g, bq, -1)
@@ -336,7 +346,7 @@ def blocked_attention_probs(query, factors, key, alpha, gamma, scale, attention_
             if allowed is not None:
                 scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
             compute = torch.promote_types(scores.dtype, torch.float32)
-            blocks.append(torch.softmax(scores.to(compute), dim=-1).to(query.dtype))
+            blocks.append(zero_empty_rows(torch.softmax(scores.to(compute), dim=-1), allowed).to(query.dtype))
         return torch.cat(blocks, dim=2)
 
 

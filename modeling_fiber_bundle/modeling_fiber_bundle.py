@@ -33,6 +33,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .configuration_fiber_bundle import FiberBundleConfig
 from .fiber_attention import (
+    allowed_from_mask,
     anisotropy,
     apply_rotary,
     blocked_attention_probs,
@@ -43,9 +44,15 @@ from .fiber_attention import (
     rotate_factors,
     torsion_proxy,
     woodbury_precondition,
+    zero_empty_rows,
 )
 
 GEOMETRY_KEYS = ("curvature", "torsion", "anisotropy")
+AUTO_MAP = {
+    "AutoConfig": "configuration_fiber_bundle.FiberBundleConfig",
+    "AutoModel": "modeling_fiber_bundle.FiberBundleModel",
+    "AutoModelForCausalLM": "modeling_fiber_bundle.FiberBundleForCausalLM",
+}
 # RoPE types whose frequencies are fixed at construction (dynamic types would need per-call updates).
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -142,13 +149,16 @@ def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 
 def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    # Copied from transformers 5.24 models/llama/modeling_llama.py (used when metric_rank == 0)
+    # Adapted from transformers 5.24 models/llama/modeling_llama.py (used when metric_rank == 0)
     key_states = repeat_kv(key, module.num_key_value_groups)
     value_states = repeat_kv(value, module.num_key_value_groups)
     attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling
     if attention_mask is not None:
-        attn_weights = attn_weights + attention_mask
-    attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
+        # why the clamp: the mask's dtype minimum plus a negative score overflows to -inf (NaN rows in float64)
+        attn_weights = (attn_weights + attention_mask).clamp_min(torch.finfo(attn_weights.dtype).min)
+    attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.promote_types(query.dtype, torch.float32))
+    allowed = allowed_from_mask(attention_mask, query.shape[2], key.shape[2])
+    attn_weights = zero_empty_rows(attn_weights, allowed).to(query.dtype)  # padding rows attend to nothing
     attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
     attn_output = torch.matmul(attn_weights, value_states)
     attn_output = attn_output.transpose(1, 2).contiguous()
@@ -247,7 +257,7 @@ class FiberBundleAttention(nn.Module):
         self.v_proj = nn.Linear(
             config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias
         )
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_out_bias)
         if config.qk_norm:  # Qwen3: per-head RMSNorm of q and k before RoPE
             self.q_norm = FiberBundleRMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = FiberBundleRMSNorm(self.head_dim, eps=config.rms_norm_eps)
@@ -427,6 +437,11 @@ class FiberBundlePreTrainedModel(PreTrainedModel):
     _supports_attention_backend = False
     _can_compile_fullgraph = False
     _can_record_outputs = None
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        # transformers writes auto_map only for the class being saved; a Hub folder must also load with AutoModel
+        self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **AUTO_MAP}
+        return super().save_pretrained(save_directory, *args, **kwargs)
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -633,5 +648,10 @@ class FiberBundleForCausalLM(FiberBundlePreTrainedModel, GenerationMixin):
         )
         return output if return_dict is not False else output.to_tuple()
 
+
+# save_pretrained copies this file and its relative imports and writes auto_map, also after a trust_remote_code load
+FiberBundleConfig._auto_class = "AutoConfig"
+FiberBundleModel._auto_class = "AutoModel"
+FiberBundleForCausalLM._auto_class = "AutoModelForCausalLM"
 
 __all__ = ["FiberBundleForCausalLM", "FiberBundleModel", "FiberBundlePreTrainedModel"]

@@ -1,0 +1,448 @@
+"""Fiber Bundle Transformer vs. its LLaMA backbone: speed and memory ratios measured side by side in one run.
+
+Full run (SmolLM2-135M shape, fp32, CPU, batch 1; takes many minutes on a small machine):
+
+    .venv/bin/python benchmarks/bench_model.py --ranks 0 1 2 4 --lengths 512 2048 --repeats 3 --gen-tokens 16 \
+        --json benchmarks/bench_model.json
+
+Smoke run (tiny 2-layer shape; ~25 s, mostly spent starting one process per memory measurement):
+
+    .venv/bin/python benchmarks/bench_model.py --quick
+
+What is compared. For every metric rank r (``metric_rank = ffn_metric_rank = r``) a ``FiberBundleForCausalLM`` is
+built and loaded with the weights of one ``LlamaForCausalLM`` (attn_implementation="sdpa") of the same shape: the two
+models share parameter names, so the backbone state dict loads into the fibre model with ``strict=False``; only the
+``.fiber.`` parameters stay at their random initialisation, and their gates start at 0 (the model then computes its
+backbone's function, so the extra cost measured here is purely the price of the geometry).
+
+What is measured, for every (r, n), n the prompt / sequence length:
+  1. forward: ``model(input_ids, use_cache=False)`` under ``torch.no_grad()``, eval mode, full logits;
+  2. forward+backward: ``model(input_ids, use_cache=False).logits.float().mean().backward()``, train mode
+     (dropout is 0 in both models);
+  3. decode tokens/s with the KV cache: one untimed prefill of n tokens, then K greedy single-token steps
+     ``model(next_token, cache=cache, use_cache=True, logits_to_keep=1)``, timed as a loop (see ``Decoder``);
+     ``generate`` is also called once per model as a check that both produce the same greedy tokens;
+  4. peak memory of one forward and of one forward+backward, each in a fresh process (see ``memory_worker``).
+Timings alternate between the two models (A B B A ...) so that machine noise hits both alike; the median of
+``--repeats`` runs is reported. Ratios are fibre / backbone: > 1 means the fibre model is slower (times), uses more
+memory (peaks) or decodes faster (tokens/s).
+"""
+
+import argparse
+import ctypes
+import datetime
+import gc
+import json
+import multiprocessing
+import os
+import platform
+import re
+import resource
+import statistics
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+import torch
+import transformers
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import modeling_fiber_bundle
+from modeling_fiber_bundle import FiberBundleConfig, FiberBundleForCausalLM
+
+SEED = 0
+
+# SmolLM2-135M
+FULL_SHAPE = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    rms_norm_eps=1e-5,
+    rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+    tie_word_embeddings=True,
+    max_position_embeddings=8192,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+# --quick: the same architecture, tiny, for a smoke run in seconds
+QUICK_SHAPE = dict(
+    FULL_SHAPE,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=1024,
+)
+FULL_DEFAULTS = dict(ranks=[0, 1, 2, 4], lengths=[512, 2048], repeats=3, gen_tokens=16)
+QUICK_DEFAULTS = dict(ranks=[0, 1, 2, 4], lengths=[64, 128], repeats=3, gen_tokens=4)
+
+# Targets are printed next to the results; nothing is asserted.
+TARGET_RANK = 2
+TARGETS = [
+    # (description, rank, length (None: every length), metric key, comparison, bound)
+    ("fwd+bwd at n=512 <= 1.25x", TARGET_RANK, 512, "fwd_bwd", "<=", 1.25),
+    ("peak memory (fwd) at n=2048 <= 1.15x", TARGET_RANK, 2048, "mem_fwd", "<=", 1.15),
+    ("peak memory (fwd+bwd) at n=2048 <= 1.15x", TARGET_RANK, 2048, "mem_fwd_bwd", "<=", 1.15),
+    ("generation >= 0.9x tokens/s", TARGET_RANK, None, "gen_tok_s", ">=", 0.90),
+]
+R0_TOLERANCE = 0.03  # r=0 is the backbone's own attention: every ratio within 3% of 1
+METRICS = ["fwd", "fwd_bwd", "gen_tok_s", "mem_fwd", "mem_fwd_bwd"]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Models
+# ----------------------------------------------------------------------------------------------------------------------
+def build_backbone(shape: dict) -> LlamaForCausalLM:
+    torch.manual_seed(SEED)
+    config = LlamaConfig(**shape, attn_implementation="sdpa")
+    return LlamaForCausalLM(config).float().eval()
+
+
+def build_fiber(shape: dict, rank: int, backbone_state: dict | None = None) -> FiberBundleForCausalLM:
+    torch.manual_seed(SEED + 1 + rank)
+    config = FiberBundleConfig(**shape, metric_rank=rank, ffn_metric_rank=rank, attn_implementation="sdpa")
+    model = FiberBundleForCausalLM(config).float().eval()
+    if backbone_state is not None:
+        result = model.load_state_dict(backbone_state, strict=False)
+        stray = [key for key in result.missing_keys if ".fiber." not in key]
+        if stray or result.unexpected_keys:
+            raise RuntimeError(f"backbone weights did not map onto the fibre model: missing {stray}, "
+                               f"unexpected {result.unexpected_keys}")
+    return model
+
+
+def prompt(shape: dict, n: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(SEED)
+    return torch.randint(3, shape["vocab_size"], (1, n), generator=generator)  # avoid bos / eos ids
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The measured operations
+# ----------------------------------------------------------------------------------------------------------------------
+def run_forward(model, input_ids):
+    model.eval()
+    with torch.no_grad():
+        model(input_ids=input_ids, use_cache=False)
+
+
+def run_forward_backward(model, input_ids):
+    model.train()
+    loss = model(input_ids=input_ids, use_cache=False).logits.float().mean()
+    loss.backward()
+    model.zero_grad(set_to_none=True)  # frees the gradients (the peak still includes them)
+    model.eval()
+
+
+def timed(fn, *args) -> float:
+    start = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - start
+
+
+class Decoder:
+    """Greedy decoding with the model's own KV cache, timed as a loop.
+
+    Why not ``generate``: the K decode steps are timed directly, without the prefill (which forward already measures)
+    and without generate's per-step bookkeeping, which is the same for both models and would only pull the ratio
+    towards 1. One prefill per model and length; each timed run crops the cache back to the prompt and decodes K
+    tokens again from the same first token, so every run does identical work.
+    """
+
+    def __init__(self, model, input_ids):
+        self.model = model.eval()
+        self.n = input_ids.shape[1]
+        with torch.no_grad():
+            out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
+        self.cache = out.cache
+        self.first = out.logits[:, -1].argmax(-1, keepdim=True)
+
+    def decode(self, k: int) -> list[int]:
+        extra = self.cache.get_seq_length() - self.n
+        if extra > 0:
+            self.cache.crop(-extra)  # transformers 5.24: a negative count of tokens to remove
+        token, tokens = self.first, []
+        with torch.no_grad():
+            for _ in range(k):
+                out = self.model(input_ids=token, cache=self.cache, use_cache=True, logits_to_keep=1)
+                token = out.logits[:, -1].argmax(-1, keepdim=True)
+                tokens.append(int(token))
+        return tokens
+
+
+def generate_tokens(model, input_ids, k: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=k, min_new_tokens=k,
+            do_sample=False, pad_token_id=0,
+        )
+    return out[0, input_ids.shape[1]:].tolist()
+
+
+def interleaved(fiber_fn, backbone_fn, repeats: int) -> tuple[float, float]:
+    """Median seconds of each callable, run alternately F B B F F B ... after one untimed warm-up each."""
+    fiber_fn()
+    backbone_fn()
+    fiber_times, backbone_times = [], []
+    for i in range(repeats):
+        pair = [(fiber_fn, fiber_times), (backbone_fn, backbone_times)]
+        for fn, times in pair if i % 2 == 0 else pair[::-1]:
+            times.append(timed(fn))
+    return statistics.median(fiber_times), statistics.median(backbone_times)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Peak memory, one fresh process per measurement
+# ----------------------------------------------------------------------------------------------------------------------
+def _proc_status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M).group(1))
+
+
+def _return_freed_memory_to_os() -> None:
+    """Make glibc serve blocks >= 128 KiB with mmap and unmap them on free (a fixed threshold, not the dynamic one
+    that grows after the first large free), so that RSS follows the live tensors rather than the allocator's cache."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: RSS may then include freed memory the allocator kept, for both models alike
+        return
+    m_mmap_threshold = -3
+    libc.mallopt(m_mmap_threshold, 128 * 1024)
+
+
+def memory_worker(spec: dict) -> dict:
+    """Build one model, then report the peak RSS increase of one forward or forward+backward over the loaded model.
+
+    Runs in a fresh process (see ``measure_memory``) so that nothing allocated or cached by an earlier measurement is
+    counted or reused. The peak is the kernel's VmHWM, reset to the current RSS just before the measured call
+    (``/proc/self/clear_refs``, Linux >= 4.0); where that reset is not permitted, ``ru_maxrss`` is used instead, which
+    also counts any transient peak of the model construction (then the numbers are upper bounds). The model keeps its
+    seeded random initialisation: weight values do not change what is allocated.
+    """
+    _return_freed_memory_to_os()
+    torch.set_num_threads(spec["threads"])
+    shape = QUICK_SHAPE if spec["quick"] else FULL_SHAPE
+    model = build_backbone(shape) if spec["model"] == "backbone" else build_fiber(shape, spec["rank"])
+    input_ids = prompt(shape, spec["n"])
+    fn = run_forward if spec["mode"] == "fwd" else run_forward_backward
+    gc.collect()
+    baseline_kib = _proc_status_kib("VmRSS")
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        method = "VmHWM"
+    except OSError:
+        method = "ru_maxrss"
+    fn(model, input_ids)
+    peak_kib = _proc_status_kib("VmHWM") if method == "VmHWM" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"peak_mib": max(peak_kib - baseline_kib, 0) / 1024, "baseline_mib": baseline_kib / 1024, "method": method}
+
+
+_FORKSERVER = None
+
+
+def measure_memory(model: str, rank: int, n: int, mode: str, quick: bool, threads: int) -> dict:
+    """Run ``memory_worker`` in a new process: forked from a forkserver that has only imported torch, transformers and
+    this package (no tensors, no threads), which saves the ~4 s of imports per measurement that a plain subprocess
+    costs. ``max_tasks_per_child=1``: one process per measurement. A worker's exception is re-raised here."""
+    global _FORKSERVER
+    if _FORKSERVER is None:
+        _FORKSERVER = multiprocessing.get_context("forkserver")
+        _FORKSERVER.set_forkserver_preload(["__main__", "torch", "transformers", "modeling_fiber_bundle"])
+    spec = dict(model=model, rank=rank, n=n, mode=mode, quick=quick, threads=threads)
+    with ProcessPoolExecutor(max_workers=1, mp_context=_FORKSERVER, max_tasks_per_child=1) as pool:
+        return pool.submit(memory_worker, spec).result()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The benchmark
+# ----------------------------------------------------------------------------------------------------------------------
+def bench(args) -> dict:
+    shape = QUICK_SHAPE if args.quick else FULL_SHAPE
+    threads = torch.get_num_threads()
+    backbone = build_backbone(shape)
+    backbone_state = backbone.state_dict()
+    backbone_memory = {}  # (n, mode) -> dict: the backbone does not depend on r, measure its peaks once per length
+    rows = []
+    for rank in args.ranks:
+        fiber = build_fiber(shape, rank, backbone_state)
+        for n in args.lengths:
+            label = f"r={rank} n={n}"
+            input_ids = prompt(shape, n)
+            row = {"r": rank, "n": n, "fiber": {}, "backbone": {}}
+
+            print(f"[{label}] forward ...", file=sys.stderr, flush=True)
+            f, b = interleaved(lambda: run_forward(fiber, input_ids), lambda: run_forward(backbone, input_ids),
+                               args.repeats)
+            row["fiber"]["fwd_s"], row["backbone"]["fwd_s"] = f, b
+
+            print(f"[{label}] forward+backward ...", file=sys.stderr, flush=True)
+            f, b = interleaved(lambda: run_forward_backward(fiber, input_ids),
+                               lambda: run_forward_backward(backbone, input_ids), args.repeats)
+            row["fiber"]["fwd_bwd_s"], row["backbone"]["fwd_bwd_s"] = f, b
+
+            print(f"[{label}] decode ...", file=sys.stderr, flush=True)
+            fiber_dec, backbone_dec = Decoder(fiber, input_ids), Decoder(backbone, input_ids)
+            f, b = interleaved(lambda: fiber_dec.decode(args.gen_tokens), lambda: backbone_dec.decode(args.gen_tokens),
+                               args.repeats)
+            row["fiber"]["gen_tok_s"], row["backbone"]["gen_tok_s"] = args.gen_tokens / f, args.gen_tokens / b
+            # with every gate at 0 the fibre model computes its backbone's function: same greedy tokens expected
+            fiber_gen = generate_tokens(fiber, input_ids, args.gen_tokens)
+            backbone_gen = generate_tokens(backbone, input_ids, args.gen_tokens)
+            row["generate_matches_backbone"] = fiber_gen == backbone_gen
+            row["decode_loop_matches_generate"] = fiber_dec.decode(args.gen_tokens) == fiber_gen
+            del fiber_dec, backbone_dec
+
+            print(f"[{label}] peak memory (fresh processes) ...", file=sys.stderr, flush=True)
+            for mode in ("fwd", "fwd_bwd"):
+                if (n, mode) not in backbone_memory:
+                    backbone_memory[n, mode] = measure_memory("backbone", 0, n, mode, args.quick, threads)
+                fiber_mem = measure_memory("fiber", rank, n, mode, args.quick, threads)
+                row["fiber"][f"mem_{mode}_mib"] = fiber_mem["peak_mib"]
+                row["backbone"][f"mem_{mode}_mib"] = backbone_memory[n, mode]["peak_mib"]
+                row["memory_method"] = fiber_mem["method"]
+
+            f, b = row["fiber"], row["backbone"]
+            row["ratio"] = {
+                "fwd": f["fwd_s"] / b["fwd_s"],
+                "fwd_bwd": f["fwd_bwd_s"] / b["fwd_bwd_s"],
+                "gen_tok_s": f["gen_tok_s"] / b["gen_tok_s"],
+                "mem_fwd": f["mem_fwd_mib"] / b["mem_fwd_mib"] if b["mem_fwd_mib"] else float("nan"),
+                "mem_fwd_bwd": f["mem_fwd_bwd_mib"] / b["mem_fwd_bwd_mib"] if b["mem_fwd_bwd_mib"] else float("nan"),
+            }
+            rows.append(row)
+        del fiber
+        gc.collect()
+    return {"rows": rows, "targets": check_targets(rows)}
+
+
+def check_targets(rows: list[dict]) -> list[dict]:
+    results = []
+    for text, rank, length, key, op, bound in TARGETS:
+        values = [row["ratio"][key] for row in rows if row["r"] == rank and length in (None, row["n"])]
+        ok = None
+        if values:
+            ok = all(v <= bound for v in values) if op == "<=" else all(v >= bound for v in values)
+        results.append({"target": f"r={rank}: {text}", "values": values, "met": ok})
+    values = [row["ratio"][key] for row in rows if row["r"] == 0 for key in METRICS]
+    ok = all(abs(v - 1) <= R0_TOLERANCE for v in values) if values else None
+    results.append({"target": f"r=0: every ratio within {R0_TOLERANCE:.0%} of 1", "values": values, "met": ok})
+    return results
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Report
+# ----------------------------------------------------------------------------------------------------------------------
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            match = re.search(r"^model name\s*:\s*(.+)$", f.read(), re.M)
+        return match.group(1).strip() if match else platform.processor() or "unknown"
+    except OSError:
+        return platform.processor() or "unknown"
+
+
+def environment(args) -> dict:
+    return {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "modeling_fiber_bundle": modeling_fiber_bundle.__version__,
+        "python": platform.python_version(),
+        "cpu": cpu_model(),
+        "logical_cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "shape": "quick (tiny, 2 layers)" if args.quick else "SmolLM2-135M",
+        "dtype": "float32",
+        "device": "cpu",
+        "batch": 1,
+        "repeats": args.repeats,
+        "gen_tokens": args.gen_tokens,
+    }
+
+
+def greedy_check(row: dict) -> str:
+    if row["generate_matches_backbone"] and row["decode_loop_matches_generate"]:
+        return "ok"
+    problems = []
+    if not row["generate_matches_backbone"]:
+        problems.append("generate differs from backbone")
+    if not row["decode_loop_matches_generate"]:
+        problems.append("decode loop differs from generate")
+    return "; ".join(problems)
+
+
+def print_report(env: dict, result: dict) -> None:
+    print("# Fiber Bundle vs. LLaMA backbone (sdpa): ratios fibre / backbone\n")
+    for key, value in env.items():
+        print(f"- {key}: {value}")
+    print("\nTimes are medians over repeats; gen tok/s is greedy decode with the KV cache (ratio > 1 = fibre faster);")
+    print("peak memory is the RSS increase of one call over the loaded model, in a fresh process. Greedy check: the")
+    print("fibre model's `generate` gives the backbone's greedy tokens (all gates are 0) and the timed decode loop")
+    print("gives the same tokens as `generate`.\n")
+    print("| r | n | fwd ratio | fwd+bwd ratio | gen tok/s ratio | peak mem fwd ratio | peak mem fwd+bwd ratio |")
+    print("|---|---|---|---|---|---|---|")
+    for row in result["rows"]:
+        q = row["ratio"]
+        print(f"| {row['r']} | {row['n']} | {q['fwd']:.3f} | {q['fwd_bwd']:.3f} | {q['gen_tok_s']:.3f} "
+              f"| {q['mem_fwd']:.3f} | {q['mem_fwd_bwd']:.3f} |")
+    print("\nAbsolute numbers (backbone | fibre):\n")
+    print("| r | n | fwd s | fwd+bwd s | gen tok/s | peak mem fwd MiB | peak mem fwd+bwd MiB | greedy check |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in result["rows"]:
+        b, f = row["backbone"], row["fiber"]
+        print(f"| {row['r']} | {row['n']} | {b['fwd_s']:.4f} \\| {f['fwd_s']:.4f} "
+              f"| {b['fwd_bwd_s']:.4f} \\| {f['fwd_bwd_s']:.4f} | {b['gen_tok_s']:.1f} \\| {f['gen_tok_s']:.1f} "
+              f"| {b['mem_fwd_mib']:.1f} \\| {f['mem_fwd_mib']:.1f} "
+              f"| {b['mem_fwd_bwd_mib']:.1f} \\| {f['mem_fwd_bwd_mib']:.1f} "
+              f"| {greedy_check(row)} |")
+    print("\nTargets (reported, not asserted):\n")
+    for target in result["targets"]:
+        status = {True: "met", False: "NOT met", None: "n/a (not measured in this run)"}[target["met"]]
+        values = ", ".join(f"{v:.3f}" for v in target["values"])
+        print(f"- {target['target']}: {status}" + (f" ({values})" if values else ""))
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, nargs="+", default=None,
+                        help="metric ranks r to compare (metric_rank = ffn_metric_rank = r); default 0 1 2 4")
+    parser.add_argument("--lengths", type=int, nargs="+", default=None,
+                        help="sequence / prompt lengths n; default 512 2048 (64 128 with --quick)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed runs per model and measurement, after one warm-up; the median is reported "
+                             "(default 3)")
+    parser.add_argument("--gen-tokens", type=int, default=None,
+                        help="K, the number of greedy tokens decoded per generation run (default 16, 4 with --quick)")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny 2-layer shape and short lengths: a smoke run in seconds (numbers are not meaningful)")
+    parser.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH")
+    args = parser.parse_args(argv)
+    for key, value in (QUICK_DEFAULTS if args.quick else FULL_DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if min(args.ranks) < 0 or min(args.lengths) < 1 or args.repeats < 1 or args.gen_tokens < 1:
+        parser.error("ranks must be >= 0; lengths, repeats and gen-tokens >= 1")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    env = environment(args)
+    result = bench(args)
+    print_report(env, result)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"environment": env, **result}, f, indent=2)
+        print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

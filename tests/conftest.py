@@ -1,0 +1,69 @@
+"""Shared fixtures: tiny configs and backbone twins built with transformers' own classes."""
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no test may reach the network
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+import modeling_fiber_bundle  # noqa: E402  registers the Auto classes
+from modeling_fiber_bundle import FiberBundleConfig, FiberBundleForCausalLM  # noqa: E402
+
+TINY = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=512,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def tiny_config(**overrides) -> FiberBundleConfig:
+    return FiberBundleConfig(**{**TINY, **overrides})
+
+
+def tiny_model(seed=0, dtype=torch.float64, **overrides) -> FiberBundleForCausalLM:
+    torch.manual_seed(seed)
+    return FiberBundleForCausalLM(tiny_config(**overrides)).to(dtype).eval()
+
+
+def set_gates(model, alpha=0.7, gamma=0.4, beta=0.5, noise=0.3, seed=1):
+    """Move every gate off its graft value, by a different amount per head and layer (a 'trained' geometry)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            fiber = getattr(layer, "fiber", None)
+            if fiber is None:
+                continue
+            if hasattr(fiber, "attn_gate"):
+                n = fiber.attn_gate.numel()
+                a = alpha * (1 + noise * torch.randn(n, generator=gen, dtype=torch.float64))
+                fiber.attn_gate.copy_(torch.log1p(a.clamp_min(-0.9)))
+                fiber.flatness_gate.copy_(gamma * (1 + noise * torch.randn(n, generator=gen, dtype=torch.float64)))
+            if hasattr(fiber, "ffn_gate"):
+                fiber.ffn_gate.fill_(float(torch.log1p(torch.tensor(beta))))
+    return model
+
+
+def random_ids(batch, length, vocab=TINY["vocab_size"], seed=0, low=3):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(low, vocab, (batch, length), generator=gen)
+
+
+@pytest.fixture
+def tmp_hub_home(tmp_path, monkeypatch):
+    """An empty HF cache so nothing cached elsewhere is picked up."""
+    home = tmp_path / "hf_home"
+    monkeypatch.setenv("HF_HOME", str(home))
+    return home

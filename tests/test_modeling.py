@@ -1,0 +1,519 @@
+"""FiberBundleForCausalLM: parity with transformers' own models, causality, cache, generation, training contracts."""
+
+import warnings
+
+import pytest
+import torch
+from transformers import (
+    AutoModel,
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from conftest import TINY, random_ids, set_gates, tiny_config, tiny_model
+from modeling_fiber_bundle import FiberBundleConfig, FiberBundleForCausalLM, FiberBundleModel
+from modeling_fiber_bundle import modeling_fiber_bundle as modeling
+
+F64 = torch.float64
+BACKBONE_KEYS = {k: v for k, v in TINY.items() if k not in ("pad_token_id",)}
+
+# Each source family: its transformers classes and the FiberBundleConfig fields that reproduce it.
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}, {}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}, {"attention_bias": True, "attention_out_bias": False}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {}, {"qk_norm": True}),
+    "mistral": (
+        MistralConfig,
+        MistralForCausalLM,
+        {"sliding_window": 6},
+        {"sliding_window": 6, "layer_types": ["sliding_attention"] * 2},
+    ),
+}
+
+
+def backbone_pair(family, tie, seed=0, **fiber_overrides):
+    """A transformers model and a Fiber Bundle model holding the same backbone weights (gates at graft values)."""
+    config_cls, model_cls, source_extra, fiber_extra = FAMILIES[family]
+    torch.manual_seed(seed)
+    source = model_cls(config_cls(**BACKBONE_KEYS, tie_word_embeddings=tie, **source_extra)).to(F64).eval()
+    fiber = tiny_model(seed=seed + 1, tie_word_embeddings=tie, **fiber_extra, **fiber_overrides)
+    missing, unexpected = fiber.load_state_dict(source.state_dict(), strict=False)
+    assert not unexpected, unexpected
+    assert all(".fiber." in k for k in missing), missing  # only the new geometry is not in the source
+    return source, fiber
+
+
+def left_padded(batch=3, length=12, pads=(0, 4, 7), seed=0):
+    ids = random_ids(batch, length, seed=seed)
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate(pads):
+        ids[row, :pad] = TINY["pad_token_id"]
+        mask[row, :pad] = 0
+    return ids, mask
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the graft: with all gates at 0 the model is its backbone
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("path", ["blocked", "reference"])
+def test_graft_logits_equal_transformers_model(family, tie, path):
+    source, fiber = backbone_pair(family, tie, fiber_attention_path=path, attention_block_size=5)
+    ids, mask = left_padded(length=14)
+    with torch.no_grad():
+        expected = source(ids, attention_mask=mask).logits
+        got = fiber(ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(got[real], expected[real], rtol=1e-12, atol=1e-12)
+    if tie:
+        assert fiber.lm_head.weight.data_ptr() == fiber.model.embed_tokens.weight.data_ptr()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_graft_greedy_and_beam_generation_equal_transformers_model(family):
+    source, fiber = backbone_pair(family, tie=False)
+    ids, mask = left_padded(batch=2, length=6, pads=(0, 2))
+    for kwargs in ({"do_sample": False}, {"do_sample": False, "num_beams": 3}):
+        args = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, pad_token_id=0, **kwargs)
+        torch.testing.assert_close(fiber.generate(ids, **args), source.generate(ids, **args), rtol=0, atol=0)
+
+
+def test_metric_rank_zero_is_exactly_the_backbone_and_uses_the_attention_interface():
+    source, fiber = backbone_pair("llama", tie=False, metric_rank=0, ffn_metric_rank=0)
+    assert not hasattr(fiber.model.layers[0], "fiber")
+    ids, mask = left_padded()
+    with torch.no_grad():
+        torch.testing.assert_close(fiber(ids, attention_mask=mask).logits, source(ids, attention_mask=mask).logits)
+    assert fiber.config._attn_implementation == "sdpa"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# attention paths and masks
+# ---------------------------------------------------------------------------------------------------------------------
+PATHS = {
+    "blocked-sdpa-mask": dict(fiber_attention_path="blocked", attention_block_size=4),
+    "blocked-eager-mask": dict(fiber_attention_path="blocked", attention_block_size=4, attn_implementation="eager"),
+    "reference": dict(fiber_attention_path="reference"),
+    "rank0-sdpa": dict(metric_rank=0),
+    "rank0-eager": dict(metric_rank=0, attn_implementation="eager"),
+    "sliding-window": dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
+}
+
+
+def path_model(name, seed=0):
+    overrides = dict(PATHS[name])
+    attn = overrides.pop("attn_implementation", None)
+    model = set_gates(tiny_model(seed=seed, **overrides))
+    if attn is not None:
+        model.set_attn_implementation(attn)
+    return model
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("name", list(PATHS))
+def test_causality(name, padded):
+    """Changing token t leaves every logit before t unchanged (and changes the ones after)."""
+    model = path_model(name)
+    ids, mask = left_padded(batch=2, length=12, pads=(0, 3) if padded else (0, 0))
+    t = 8
+    changed = ids.clone()
+    changed[:, t] = (changed[:, t] + 5) % TINY["vocab_size"]
+    with torch.no_grad():
+        a = model(ids, attention_mask=mask).logits
+        b = model(changed, attention_mask=mask).logits
+    torch.testing.assert_close(a[:, :t], b[:, :t], rtol=0, atol=1e-13)
+    assert (a[:, t:] - b[:, t:]).abs().amax() > 1e-6
+
+
+def test_all_paths_agree():
+    """Blocked (either mask format) == reference, for the same weights and a left-padded batch."""
+    ids, mask = left_padded(batch=2, length=11, pads=(0, 3))
+    real = mask.bool()
+    with torch.no_grad():
+        logits = {name: path_model(name)(ids, attention_mask=mask).logits for name in ("blocked-sdpa-mask",
+                                                                                          "blocked-eager-mask",
+                                                                                          "reference")}
+        rank0 = {name: path_model(name)(ids, attention_mask=mask).logits for name in ("rank0-sdpa", "rank0-eager")}
+    torch.testing.assert_close(logits["blocked-sdpa-mask"][real], logits["reference"][real], rtol=1e-11, atol=1e-11)
+    torch.testing.assert_close(logits["blocked-eager-mask"][real], logits["reference"][real], rtol=1e-11, atol=1e-11)
+    torch.testing.assert_close(rank0["rank0-sdpa"][real], rank0["rank0-eager"][real], rtol=1e-5, atol=1e-5)
+
+
+def test_geometry_changes_the_function_when_gates_move():
+    ids = random_ids(2, 10)
+    model = tiny_model()
+    with torch.no_grad():
+        graft = model(ids).logits
+        moved = set_gates(model)(ids).logits
+    assert (graft - moved).abs().amax() > 1e-3
+
+
+def test_scores_depend_on_relative_positions_only(monkeypatch):
+    model = set_gates(tiny_model(attention_block_size=4), alpha=3.0, gamma=1.0)
+    ids = random_ids(2, 10)
+    pos = torch.arange(10)[None].expand(2, -1)
+    with torch.no_grad():
+        a = model(ids, position_ids=pos).logits
+        b = model(ids, position_ids=pos + 37).logits
+    # RoPE angles are computed in float32 (as in transformers), so a shift changes the logits at float32 rounding only
+    relative_error = (a - b).abs().amax()
+    assert relative_error < 1e-5
+    # the test has teeth: factors left in an absolute frame (not rotated with the query) break the property
+    monkeypatch.setattr(modeling, "rotate_factors", lambda f, cos, sin: f)
+    with torch.no_grad():
+        c = model(ids, position_ids=pos).logits
+        d = model(ids, position_ids=pos + 37).logits
+    assert (c - d).abs().amax() > 100 * relative_error
+
+
+@pytest.mark.parametrize("name", ["blocked-sdpa-mask", "reference", "rank0-sdpa"])
+def test_left_padded_rows_equal_unpadded_rows_and_have_no_nan(name):
+    model = path_model(name)
+    ids, mask = left_padded(batch=3, length=12, pads=(0, 4, 7))
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)  # as generate() builds them: real tokens start at position 0
+    with torch.no_grad():
+        batch = model(ids, attention_mask=mask, position_ids=positions).logits
+        assert torch.isfinite(batch).all()
+        for row, pad in enumerate((0, 4, 7)):
+            alone = model(ids[row : row + 1, pad:]).logits[0]
+            torch.testing.assert_close(batch[row, pad:], alone, rtol=1e-11, atol=1e-11)
+
+
+def test_padding_free_packing_equals_separate_sequences():
+    """Sequences packed in one row, delimited by position_ids restarting at 0 (DataCollatorWithFlattening's format)."""
+    model = path_model("blocked-sdpa-mask")
+    lengths = (5, 7, 4)
+    seqs = [random_ids(1, n, seed=i) for i, n in enumerate(lengths)]
+    packed = torch.cat(seqs, dim=1)
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    with torch.no_grad():
+        # transformers detects packing only without a cache (as in training), for its own models too
+        out = model(packed, position_ids=position_ids, use_cache=False).logits[0]
+        start = 0
+        for seq, n in zip(seqs, lengths):
+            torch.testing.assert_close(out[start : start + n], model(seq).logits[0], rtol=1e-11, atol=1e-11)
+            start += n
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# outputs
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["blocked-sdpa-mask", "reference"])
+def test_output_attentions_are_the_attention_probabilities(name):
+    model = path_model(name)
+    ids, mask = left_padded(batch=2, length=9, pads=(0, 2))
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, output_attentions=True)
+        ref = path_model("reference")(ids, attention_mask=mask, output_attentions=True)
+    assert len(out.attentions) == TINY["num_hidden_layers"]
+    for probs, ref_probs in zip(out.attentions, ref.attentions):
+        assert probs.shape == (2, TINY["num_attention_heads"], 9, 9)
+        real = mask.bool()[:, None, :, None].expand_as(probs)
+        torch.testing.assert_close(probs[real], ref_probs[real], rtol=1e-11, atol=1e-12)
+        row_sums = probs.sum(-1)  # 1 on real tokens; padding rows attend to nothing
+        torch.testing.assert_close(row_sums, mask[:, None, :].expand_as(row_sums).to(row_sums.dtype))
+        assert probs.triu(1).abs().max() == 0  # causal
+
+
+def test_output_hidden_states_match_transformers_convention():
+    source, fiber = backbone_pair("llama", tie=False)
+    ids = random_ids(2, 7)
+    with torch.no_grad():
+        a = source(ids, output_hidden_states=True).hidden_states
+        b = fiber(ids, output_hidden_states=True).hidden_states
+    assert len(a) == len(b) == TINY["num_hidden_layers"] + 1
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
+
+
+def test_output_geometry_returns_per_layer_proxies():
+    model = set_gates(tiny_model())
+    ids, mask = left_padded(batch=2, length=20, pads=(0, 5))
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, output_geometry=True)
+        plain = model(ids, attention_mask=mask)
+    assert plain.geometry is None
+    assert set(out.geometry) == {"curvature", "torsion", "anisotropy"}
+    for value in out.geometry.values():
+        assert value.shape == (TINY["num_hidden_layers"],) and torch.isfinite(value).all()
+    assert (out.geometry["torsion"] > 0).all() and (out.geometry["curvature"] > 0).all()
+    with torch.no_grad():  # at the graft (alpha = 0) the metric is the identity everywhere
+        graft = tiny_model()(ids, attention_mask=mask, output_geometry=True).geometry
+    assert all((v == 0).all() for v in graft.values())
+
+
+def test_geometry_regularisers_enter_the_loss():
+    ids = random_ids(2, 12)
+    base = set_gates(tiny_model())
+    weighted = set_gates(tiny_model(curvature_weight=0.5, torsion_weight=2.0))
+    out = weighted(ids, labels=ids, output_geometry=True)
+    plain = base(ids, labels=ids).loss
+    expected = plain + 0.5 * out.geometry["curvature"].mean() + 2.0 * out.geometry["torsion"].mean()
+    torch.testing.assert_close(out.loss, expected)
+    out.loss.backward()
+    assert weighted.model.layers[0].fiber.attn_factor_proj.weight.grad.abs().sum() > 0
+
+
+def test_past_key_values_is_a_deprecated_alias_of_cache():
+    model = tiny_model()
+    ids = random_ids(1, 6)
+    with torch.no_grad():
+        first = model(ids[:, :4], use_cache=True)
+        with pytest.warns(FutureWarning, match="cache="):
+            legacy = model(ids[:, 4:], past_key_values=first.cache, use_cache=True)
+        full = model(ids).logits
+    torch.testing.assert_close(legacy.logits, full[:, 4:], rtol=1e-11, atol=1e-11)
+
+
+def test_tuple_output():
+    model = tiny_model()
+    ids = random_ids(1, 5)
+    with torch.no_grad():
+        logits = model(ids, return_dict=False, use_cache=False)[0]
+    torch.testing.assert_close(logits, model(ids).logits)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# cache and generation
+# ---------------------------------------------------------------------------------------------------------------------
+def greedy_without_cache(model, ids, steps):
+    for _ in range(steps):
+        with torch.no_grad():
+            nxt = model(ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+        ids = torch.cat([ids, nxt], dim=1)
+    return ids
+
+
+@pytest.mark.parametrize("name", ["blocked-sdpa-mask", "reference", "sliding-window", "rank0-sdpa"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_generate_with_cache_equals_full_forward_without_cache(name, dtype):
+    model = path_model(name).to(dtype)
+    ids = random_ids(1, 5)
+    generated = model.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    assert torch.equal(generated, greedy_without_cache(model, ids, 16))
+    # incremental last-token logits equal the full forward's
+    with torch.no_grad():
+        step = model(generated[:, :-1], use_cache=True)
+        last = model(generated[:, -1:], cache=step.cache).logits[:, -1]
+        full = model(generated, use_cache=False).logits[:, -1]
+    torch.testing.assert_close(last, full, rtol=0, atol=1e-5 if dtype == torch.float32 else 1e-11)
+
+
+def test_static_cache_generation_equals_dynamic_cache():
+    model = path_model("blocked-sdpa-mask")
+    ids, mask = left_padded(batch=2, length=6, pads=(0, 2))
+    args = dict(attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
+    dynamic = model.generate(ids, **args)
+    static = model.generate(ids, cache_implementation="static", **args)
+    assert torch.equal(dynamic, static)
+
+
+def test_beam_search_with_cache_equals_without_cache():
+    model = path_model("blocked-sdpa-mask")
+    ids, mask = left_padded(batch=2, length=6, pads=(0, 2))
+    args = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, num_beams=3, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids, **args), model.generate(ids, use_cache=False, **args))
+
+
+def test_left_padded_generation_equals_unpadded():
+    model = path_model("blocked-sdpa-mask")
+    ids, mask = left_padded(batch=2, length=7, pads=(0, 3))
+    args = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    batch = model.generate(ids, attention_mask=mask, **args)
+    alone = model.generate(ids[1:, 3:], **args)
+    assert torch.equal(batch[1, 3:], alone[0])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# training contracts
+# ---------------------------------------------------------------------------------------------------------------------
+def test_geometry_only_step_from_the_graft_changes_the_logits():
+    """Backbone frozen, gates at 0: the linear gates carry gradient, and one AdamW step changes the function."""
+    model = tiny_model(dtype=torch.float32).train()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    geometry = model.geometry_parameters()
+    for p in geometry:
+        p.requires_grad_(True)
+    ids = random_ids(2, 16)
+    with torch.no_grad():
+        before = model(ids).logits
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    fiber = model.model.layers[0].fiber
+    for gate in (fiber.attn_gate, fiber.flatness_gate, fiber.ffn_gate):
+        assert gate.grad is not None and gate.grad.abs().sum() > 0
+    torch.optim.AdamW(geometry, lr=1e-2).step()
+    with torch.no_grad():
+        after = model(ids).logits
+    assert (after - before).abs().amax() > 1e-5  # 100x float32 rounding of these logits
+
+
+def test_zero_factors_are_a_saddle_and_init_avoids_them():
+    """With U = 0 the gradient in U is exactly 0 for any gate: the trap a metric I + U U^T initialised at 0 falls in."""
+    model = set_gates(tiny_model())
+    fiber = model.model.layers[0].fiber
+    with torch.no_grad():
+        fiber.attn_factor_proj.weight.zero_()
+        fiber.attn_factor_proj.bias.zero_()
+    ids = random_ids(2, 10)
+    model(ids, labels=ids).loss.backward()
+    assert torch.equal(fiber.attn_factor_proj.weight.grad, torch.zeros_like(fiber.attn_factor_proj.weight))
+    fresh = tiny_model()
+    assert fresh.model.layers[0].fiber.attn_factor_proj.weight.abs().min() > 0  # the init never sits on the saddle
+    assert fresh.model.layers[0].fiber.ffn_factor_proj.weight.abs().min() > 0
+
+
+@pytest.mark.parametrize("overrides", [{}, {"metric_rank": 0}, {"ffn_metric_rank": 0}, {"qk_norm": True}])
+def test_every_trainable_parameter_gets_a_gradient(overrides):
+    """Zero allowed, None never: DDP without find_unused_parameters fails otherwise."""
+    model = tiny_model(**overrides).train()
+    ids = random_ids(2, 9)
+    model(ids, labels=ids).loss.backward()
+    missing = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    assert not missing
+
+
+def test_init_weights_initialises_every_new_parameter():
+    cfg = dict(metric_gate_init=0.5, flatness_gate_init=0.25, ffn_gate_init=-0.5, metric_hidden=256)
+    model = tiny_model(seed=0, dtype=torch.float32, **cfg)
+    fiber_params = dict(model.model.layers[1].fiber.named_parameters())
+    for p in fiber_params.values():  # scribble, then ask transformers to initialise again
+        p.data.fill_(float("nan"))
+    for m in model.modules():
+        m._is_hf_initialized = False
+    model.initialize_weights()
+    fiber = model.model.layers[1].fiber
+    assert all(torch.isfinite(p).all() for p in fiber.parameters())
+    torch.testing.assert_close(torch.expm1(fiber.attn_gate), torch.full((4,), 0.5))
+    torch.testing.assert_close(fiber.flatness_gate, torch.full((4,), 0.25))
+    torch.testing.assert_close(torch.expm1(fiber.ffn_gate), torch.tensor(-0.5))
+    assert abs(fiber.code_proj.weight.std().item() - 0.02) < 0.002
+    assert abs(fiber.attn_factor_proj.weight.std().item() - 1 / 16) < 0.005
+    assert abs(fiber.ffn_factor_proj.weight.std().item() - 1 / 16) < 0.005
+    assert fiber.attn_factor_proj.bias.abs().max() == 0 and fiber.ffn_factor_proj.bias.abs().max() == 0
+
+
+def test_activation_checkpointing_gives_the_same_loss_and_gradients():
+    ids = random_ids(2, 12)
+    grads = []
+    for checkpointing in (False, True):
+        model = set_gates(tiny_model()).train()
+        if checkpointing:
+            model.activation_checkpointing_enable()
+            assert model.model.layers[0].gradient_checkpointing
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        grads.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    torch.testing.assert_close(grads[0][0], grads[1][0], rtol=1e-12, atol=1e-12)
+    for name, g in grads[0][1].items():
+        torch.testing.assert_close(g, grads[1][1][name], rtol=1e-10, atol=1e-12, msg=lambda m: f"{name}: {m}")
+
+
+def test_bf16_forward_stays_finite_on_long_inputs():
+    model = set_gates(tiny_model(max_position_embeddings=4096, attention_block_size=256), alpha=3.0, gamma=1.0)
+    model = model.to(torch.bfloat16)
+    ids = random_ids(1, 2048)
+    with torch.no_grad():
+        out = model(ids, output_geometry=True)
+    assert torch.isfinite(out.logits).all()
+    assert all(torch.isfinite(v).all() for v in out.geometry.values())
+
+
+# peft 0.21 itself reads the deprecated `is_gradient_checkpointing` property; nothing of ours does
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+def test_peft_modules_to_save_trains_the_fiber():
+    peft = pytest.importorskip("peft")
+    model = set_gates(tiny_model(dtype=torch.float32))
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["fiber"], task_type="CAUSAL_LM")
+    wrapped = peft.get_peft_model(model, lora)
+    trainable = [n for n, p in wrapped.named_parameters() if p.requires_grad]
+    assert any(".fiber." in n and "attn_gate" in n for n in trainable)
+    assert any("lora_A" in n for n in trainable)
+    ids = random_ids(2, 8)
+    wrapped(input_ids=ids, labels=ids).loss.backward()
+    copies = [p for n, p in wrapped.named_parameters() if p.requires_grad and ".fiber." in n]
+    assert copies and all(p.grad is not None for p in copies)
+    assert any(p.grad.abs().sum() > 0 for p in copies)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# save / load and configuration
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tie", [False, True])
+def test_save_load_round_trip_is_bit_exact(tmp_path, tie):
+    model = set_gates(tiny_model(dtype=torch.float32, tie_word_embeddings=tie))
+    with torch.no_grad():
+        for p in model.geometry_parameters():
+            p.add_(torch.randn_like(p))  # non-zero values in every new parameter
+    model.save_pretrained(tmp_path)
+    for loaded in (
+        FiberBundleForCausalLM.from_pretrained(tmp_path),
+        AutoModelForCausalLM.from_pretrained(tmp_path),
+    ):
+        assert isinstance(loaded, FiberBundleForCausalLM)
+        state, expected = loaded.state_dict(), model.state_dict()
+        assert state.keys() == expected.keys()
+        for key, value in expected.items():
+            assert torch.equal(state[key], value), key
+    base = AutoModel.from_pretrained(tmp_path)
+    assert isinstance(base, FiberBundleModel)
+
+
+def test_config_rejects_invalid_values_with_the_field_name():
+    bad = {
+        "metric_rank": -1,
+        "metric_hidden": 0,
+        "metric_factor_sharing": "token",
+        "metric_act": "relu6",
+        "metric_gate_init": -1.0,
+        "ffn_gate_init": float("nan"),
+        "attention_block_size": 0,
+        "fiber_attention_path": "fast",
+        "curvature_weight": -0.1,
+        "num_key_value_heads": 3,
+        "layer_types": ["full_attention"],
+    }
+    for field, value in bad.items():
+        with pytest.raises(ValueError, match=field):
+            tiny_config(**{field: value})
+    with pytest.raises(ValueError, match="metric_rank"):
+        tiny_config(metric_rank=17)  # > head_dim
+    with pytest.raises(ValueError, match="sliding_window"):
+        tiny_config(layer_types=["sliding_attention"] * 2)
+    with pytest.raises(ValueError, match="rope_type"):
+        FiberBundleForCausalLM(tiny_config(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}))
+
+
+def test_config_round_trip_and_backbone_fields(tmp_path):
+    cfg = tiny_config(
+        rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        metric_rank=3, attention_bias=True, attention_out_bias=False, sliding_window=8,
+    )
+    cfg.save_pretrained(tmp_path)
+    back = FiberBundleConfig.from_pretrained(tmp_path)
+    for field in ("rope_parameters", "metric_rank", "attention_bias", "attention_out_bias", "sliding_window",
+                  "layer_types", "head_dim"):
+        assert getattr(back, field) == getattr(cfg, field), field
+    assert back.layer_types == ["sliding_attention"] * 2
+    FiberBundleForCausalLM(back)  # llama3 RoPE builds
+
+
+def test_no_future_warnings_from_a_normal_run():
+    model = tiny_model()
+    ids = random_ids(1, 5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        model.generate(ids, max_new_tokens=3, do_sample=False)
+        model.train()
+        model.activation_checkpointing_enable()
+        model(ids, labels=ids).loss.backward()
