@@ -52,7 +52,7 @@ class FiberBundleConfig(PreTrainedConfig):
             Weight of the mean torsion proxy added to the training loss when labels are given.
         geometry_block_size (`int`, defaults to 32):
             Torsion is measured on pairs inside blocks of this many consecutive tokens.
-        attention_block_size (`int`, defaults to 256):
+        attention_block_size (`int`, defaults to 64):
             Query block of the blocked geodesic attention: extra memory is O(sequence length x block size).
         fiber_attention_path (`str`, defaults to "blocked"):
             "blocked" (default, memory-bounded, custom backward) or "reference" (short and obviously correct,
@@ -119,7 +119,7 @@ class FiberBundleConfig(PreTrainedConfig):
     geometry_block_size: int = 32
 
     # Attention kernel
-    attention_block_size: int = 256
+    attention_block_size: int = 64
     fiber_attention_path: str = "blocked"
 
     def __post_init__(self, **kwargs):

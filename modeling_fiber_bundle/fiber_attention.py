@@ -60,14 +60,15 @@ def rotate_factors(factors: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
     return apply_rotary(factors, cos, sin)
 
 
-def metric_query(query: torch.Tensor, factors: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
-    """G_i q_i = q_i + alpha U_i (U_i^T q_i) in O(d r) per token.
+def _lift(query: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    """U_i (U_i^T q_i) in O(d r) per token. query (..., n, d); factors (..., n, r, d), broadcastable leading dims."""
+    coords = torch.matmul(factors, query.unsqueeze(-1))  # U^T q: (..., n, r, 1)
+    return torch.matmul(coords.transpose(-1, -2), factors).squeeze(-2)  # U (U^T q): (..., n, d)
 
-    query (B, H, n, d); factors (B, H, n, r, d); alpha (H,). Returns (B, H, n, d).
-    """
-    coords = torch.matmul(factors, query.unsqueeze(-1))  # U^T q: (B, H, n, r, 1)
-    lifted = torch.matmul(coords.transpose(-1, -2), factors).squeeze(-2)  # U (U^T q): (B, H, n, d)
-    return query + alpha.view(1, -1, 1, 1).to(query.dtype) * lifted
+
+def metric_query(query: torch.Tensor, factors: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """G_i q_i = q_i + alpha U_i (U_i^T q_i). query (B, H, n, d); factors (B, H, n, r, d); alpha (H,)."""
+    return query + alpha.view(1, -1, 1, 1).to(query.dtype) * _lift(query, factors)
 
 
 def key_bias(key: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
@@ -194,100 +195,122 @@ def reference_geodesic_attention(
 # --------------------------------------------------------------------------------------------------------------------
 # Blocked path (default)
 # --------------------------------------------------------------------------------------------------------------------
-def _block_logits(pseudo, key, bias, half_alpha, scale, allowed_blk):
-    """Scores of one query block against one key slice, grouped by KV head.
+def _block_products(gq_blk, factors_blk, key_blk):
+    """One matmul of a query block's stacked pseudo-queries with a key slice, grouped by KV head.
 
-    pseudo (B, Hk, g, Bq, r+1, d) stacked [G_i q_i, u_i1..u_ir]; key (B, Hk, nk, d); bias (B, Hk, g, nk);
-    half_alpha (Hk, g); allowed_blk broadcastable to (B, Hk, g, Bq, nk) or None.
-    Returns logits (B, Hk, g, Bq, nk) in float32/64 and the raw products (B, Hk, g, Bq, r+1, nk).
+    gq_blk (B, Hk, g, Bq, d): G_i q_i per query head; factors_blk (B, Hk, gf, Bq, r, d) with gf = 1 when a KV group
+    shares its factors (then U_i^T k_j is computed once for the whole group, not g times); key_blk (B, Hk, nk, d).
+    Returns the stacked rows (B, Hk, g*Bq + gf*Bq*r, d) and their products with the keys (B, Hk, rows, nk).
     """
-    b, hk, g, bq, r1, d = pseudo.shape
-    # One matmul for all r + 1 pseudo-queries of all heads in the group: (B, Hk, g*Bq*(r+1), d) @ (B, Hk, d, nk)
-    prods = torch.matmul(pseudo.reshape(b, hk, g * bq * r1, d), key.transpose(-1, -2))
-    prods = prods.view(b, hk, g, bq, r1, -1)  # (B, Hk, g, Bq, r+1, nk)
-    quadratic = prods[..., 1:, :].pow(2).sum(-2)  # ||U_i^T k_j||^2: (B, Hk, g, Bq, nk)
-    logits = prods[..., 0, :] + bias[:, :, :, None, :] - half_alpha[None, :, :, None, None] * quadratic
-    logits = logits * scale
+    b, hk, g, bq, d = gq_blk.shape
+    rows = torch.cat((gq_blk.reshape(b, hk, g * bq, d), factors_blk.reshape(b, hk, -1, d)), dim=2)
+    return rows, torch.matmul(rows, key_blk.transpose(-1, -2))
+
+
+def _block_logits(prods, shape, bias_blk, half_alpha, allowed_blk):
+    """Combine the products into scores (G_i q_i).k_j + bias_j - (alpha/2) ||U_i^T k_j||^2 and mask them.
+
+    The softmax scale is already folded into the inputs (see ``blocked_geodesic_attention``).
+    prods (B, Hk, g*Bq + gf*Bq*r, nk); shape = (g, gf, Bq, r); bias_blk (B, Hk, g, nk); half_alpha (1, Hk, g, 1, 1).
+    Returns logits (B, Hk, g, Bq, nk), coords U_i^T k_j (B, Hk, gf, Bq, r, nk) and their squared norms (.., gf, Bq, nk).
+    """
+    g, gf, bq, r = shape
+    b, hk, _, nk = prods.shape
+    linear = prods[:, :, : g * bq].view(b, hk, g, bq, nk)  # (G_i q_i) . k_j
+    coords = prods[:, :, g * bq :].view(b, hk, gf, bq, r, nk)  # U_i^T k_j
+    quadratic = coords.square().sum(-2)  # (B, Hk, gf, Bq, nk), broadcast over the g heads of a shared group
+    logits = torch.add(linear, bias_blk[:, :, :, None, :]).addcmul_(half_alpha, quadratic, value=-1.0)
     if allowed_blk is not None:
-        logits = logits.masked_fill(~allowed_blk, torch.finfo(logits.dtype).min)
-    return logits, prods
+        logits.masked_fill_(~allowed_blk, torch.finfo(logits.dtype).min)
+    return logits, coords, quadratic
+
+
+def _blocked_forward(gq, factors, half_alpha, bias, key, value, allowed, block_size):
+    """Forward of the blocked kernel (shapes as in ``_BlockedGeodesicAttention``): output (compute dtype) and the
+    per-row log-sum-exp that the backward needs to recompute the probabilities."""
+    b, hk, g, q_len, d = gq.shape
+    gf, r = factors.shape[2], factors.shape[4]
+    kv_len = key.shape[2]
+    compute = torch.promote_types(gq.dtype, torch.float32)  # why: low-precision inputs combine in fp32
+    gq_c, factors_c, key_c, value_c = (t.to(compute) for t in (gq, factors, key, value))
+    bias_c, ha = bias.to(compute), half_alpha.to(compute).view(1, hk, g, 1, 1)
+    out = gq_c.new_empty((b, hk, g, q_len, d))
+    lse = gq_c.new_empty((b, hk, g, q_len))
+    for i0 in range(0, q_len, block_size):
+        i1 = min(i0 + block_size, q_len)
+        k0, k1 = _key_range(allowed, i0, i1, q_len, kv_len)
+        allowed_blk = _block_allowed(allowed, i0, i1, k0, k1, q_len, gq.device)
+        _, prods = _block_products(gq_c[:, :, :, i0:i1], factors_c[:, :, :, i0:i1], key_c[:, :, k0:k1])
+        logits, _, _ = _block_logits(prods, (g, gf, i1 - i0, r), bias_c[..., k0:k1], ha, allowed_blk)
+        # softmax in place, keeping its log-normaliser for the backward
+        row_max = logits.amax(dim=-1, keepdim=True)
+        probs = logits.sub_(row_max).exp_()
+        row_sum = probs.sum(dim=-1, keepdim=True)
+        probs = zero_empty_rows(probs.div_(row_sum), allowed_blk)
+        # (B, Hk, g*Bq, nk) @ (B, Hk, nk, d) -> (B, Hk, g*Bq, d)
+        blk = torch.matmul(probs.view(b, hk, g * (i1 - i0), -1), value_c[:, :, k0:k1])
+        out[:, :, :, i0:i1] = blk.view(b, hk, g, i1 - i0, d)
+        lse[:, :, :, i0:i1] = (row_max + row_sum.log()).squeeze(-1)
+    return out, lse
 
 
 class _BlockedGeodesicAttention(torch.autograd.Function):
     """Memory-bounded geodesic attention with a recomputing backward (flash-attention style, on plain matmuls).
 
-    Inputs are grouped by KV head so keys are never repeated: gq (B, Hk, g, q, d), factors (B, Hk, g, q, r, d),
-    half_alpha (Hk, g), bias (B, Hk, g, kv), key/value (B, Hk, kv, d); allowed (B|1, 1, 1, q, kv) bool or None.
+    Grouped by KV head so keys are never repeated: gq (B, Hk, g, q, d); factors (B, Hk, gf, q, r, d), gf in {1, g};
+    half_alpha (Hk, g); bias (B, Hk, g, kv); key, value (B, Hk, kv, d); allowed (B|1, 1, 1, q, kv) bool or None.
+    The softmax scale is folded into gq, factors and bias by the caller.
     """
 
     @staticmethod
-    def forward(ctx, gq, factors, half_alpha, bias, key, value, allowed, scale, block_size):
-        b, hk, g, q_len, d = gq.shape
-        kv_len = key.shape[2]
-        compute = torch.promote_types(gq.dtype, torch.float32)  # why: low-precision inputs combine in fp32
-        out = gq.new_empty((b, hk, g, q_len, d), dtype=compute)
-        lse = gq.new_empty((b, hk, g, q_len), dtype=compute)
-        ha = half_alpha.to(compute)
-        for i0 in range(0, q_len, block_size):
-            i1 = min(i0 + block_size, q_len)
-            k0, k1 = _key_range(allowed, i0, i1, q_len, kv_len)
-            pseudo = torch.cat((gq[:, :, :, i0:i1, None, :], factors[:, :, :, i0:i1]), dim=-2).to(compute)
-            allowed_blk = _block_allowed(allowed, i0, i1, k0, k1, q_len, gq.device)
-            logits, _ = _block_logits(
-                pseudo, key[:, :, k0:k1].to(compute), bias[..., k0:k1].to(compute), ha, scale, allowed_blk
-            )
-            block_lse = torch.logsumexp(logits, dim=-1)  # (B, Hk, g, Bq)
-            probs = zero_empty_rows(torch.exp(logits - block_lse.unsqueeze(-1)), allowed_blk)
-            # (B, Hk, g*Bq, nk) @ (B, Hk, nk, d) -> (B, Hk, g*Bq, d)
-            blk = torch.matmul(probs.view(b, hk, g * (i1 - i0), -1), value[:, :, k0:k1].to(compute))
-            out[:, :, :, i0:i1] = blk.view(b, hk, g, i1 - i0, d)
-            lse[:, :, :, i0:i1] = block_lse
+    def forward(ctx, gq, factors, half_alpha, bias, key, value, allowed, block_size):
+        out, lse = _blocked_forward(gq, factors, half_alpha, bias, key, value, allowed, block_size)
         ctx.save_for_backward(gq, factors, half_alpha, bias, key, value, allowed, out, lse)
-        ctx.scale, ctx.block_size = scale, block_size
+        ctx.block_size = block_size
         return out.to(gq.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         gq, factors, half_alpha, bias, key, value, allowed, out, lse = ctx.saved_tensors
-        scale, block_size = ctx.scale, ctx.block_size
+        block_size = ctx.block_size
         b, hk, g, q_len, d = gq.shape
+        gf, r = factors.shape[2], factors.shape[4]
         kv_len = key.shape[2]
         compute = out.dtype
-        ha = half_alpha.to(compute)
+        gq_c, factors_c, key_c, value_c = (t.to(compute) for t in (gq, factors, key, value))
+        bias_c, ha = bias.to(compute), half_alpha.to(compute).view(1, hk, g, 1, 1)
         grad_out = grad_out.to(compute)
-        d_gq = torch.zeros_like(gq, dtype=compute)
-        d_factors = torch.zeros_like(factors, dtype=compute)
-        d_half_alpha = torch.zeros_like(half_alpha, dtype=compute)
-        d_bias = torch.zeros_like(bias, dtype=compute)
-        d_key = torch.zeros_like(key, dtype=compute)
-        d_value = torch.zeros_like(value, dtype=compute)
+        d_gq, d_factors = torch.empty_like(gq_c), torch.empty_like(factors_c)
+        d_half_alpha, d_bias = torch.zeros((hk, g), dtype=compute), torch.zeros_like(bias_c)
+        d_key, d_value = torch.zeros_like(key_c), torch.zeros_like(value_c)
         # D_i = sum_j P_ij dP_ij = dO_i . O_i (softmax backward without storing P)
-        delta = (grad_out * out).sum(-1)  # (B, Hk, g, q)
+        delta = (grad_out * out).sum(-1, keepdim=True)  # (B, Hk, g, q, 1)
         for i0 in range(0, q_len, block_size):
             i1 = min(i0 + block_size, q_len)
             bq = i1 - i0
             k0, k1 = _key_range(allowed, i0, i1, q_len, kv_len)
-            pseudo = torch.cat((gq[:, :, :, i0:i1, None, :], factors[:, :, :, i0:i1]), dim=-2).to(compute)
             allowed_blk = _block_allowed(allowed, i0, i1, k0, k1, q_len, gq.device)
-            k_blk, v_blk = key[:, :, k0:k1].to(compute), value[:, :, k0:k1].to(compute)
-            logits, prods = _block_logits(pseudo, k_blk, bias[..., k0:k1].to(compute), ha, scale, allowed_blk)
-            probs = zero_empty_rows(torch.exp(logits - lse[:, :, :, i0:i1, None]), allowed_blk)  # (B, Hk, g, Bq, nk)
+            k_blk, v_blk = key_c[:, :, k0:k1], value_c[:, :, k0:k1]
+            rows, prods = _block_products(gq_c[:, :, :, i0:i1], factors_c[:, :, :, i0:i1], k_blk)
+            logits, coords, quadratic = _block_logits(prods, (g, gf, bq, r), bias_c[..., k0:k1], ha, allowed_blk)
+            probs = zero_empty_rows(logits.sub_(lse[:, :, :, i0:i1, None]).exp_(), allowed_blk)  # (B, Hk, g, Bq, nk)
             go = grad_out[:, :, :, i0:i1].reshape(b, hk, g * bq, d)
             d_value[:, :, k0:k1] += torch.matmul(probs.view(b, hk, g * bq, -1).transpose(-1, -2), go)
             d_probs = torch.matmul(go, v_blk.transpose(-1, -2)).view(b, hk, g, bq, -1)
-            d_logits = probs * (d_probs - delta[:, :, :, i0:i1, None]) * scale  # (B, Hk, g, Bq, nk)
+            d_logits = d_probs.sub_(delta[:, :, :, i0:i1]).mul_(probs)  # softmax backward: (B, Hk, g, Bq, nk)
             d_bias[..., k0:k1] += d_logits.sum(-2)
-            coords = prods[..., 1:, :]  # U_i^T k_j: (B, Hk, g, Bq, r, nk)
-            d_half_alpha -= (d_logits.unsqueeze(-2) * coords.pow(2)).sum(dim=(0, 3, 4, 5))
-            # d/d(prods): 1 for the linear row, -2 (alpha/2) (U^T k) for the factor rows
-            d_prods = torch.cat(
-                (d_logits.unsqueeze(-2), -2.0 * ha[None, :, :, None, None, None] * d_logits.unsqueeze(-2) * coords),
-                dim=-2,
-            ).view(b, hk, g * bq * pseudo.shape[-2], -1)  # (B, Hk, g*Bq*(r+1), nk)
-            d_pseudo = torch.matmul(d_prods, k_blk).view(b, hk, g, bq, -1, d)  # (B, Hk, g, Bq, r+1, d)
-            d_gq[:, :, :, i0:i1] = d_pseudo[..., 0, :]
-            d_factors[:, :, :, i0:i1] = d_pseudo[..., 1:, :]
-            d_key[:, :, k0:k1] += torch.matmul(d_prods.transpose(-1, -2), pseudo.reshape(b, hk, -1, d))
+            d_half_alpha -= (d_logits * quadratic).sum(dim=(0, 3, 4))
+            # d/d coords of -(alpha/2)||U^T k||^2, summed over the heads that share the factors
+            if gf == 1:
+                d_quadratic = torch.einsum("bkgqn,kg->bkqn", d_logits, -2.0 * ha.view(hk, g)).unsqueeze(2)
+            else:
+                d_quadratic = d_logits * (-2.0 * ha)
+            d_coords = coords * d_quadratic.unsqueeze(-2)  # (B, Hk, gf, Bq, r, nk)
+            d_prods = torch.cat((d_logits.view(b, hk, g * bq, -1), d_coords.view(b, hk, gf * bq * r, -1)), dim=2)
+            d_rows = torch.matmul(d_prods, k_blk)  # (B, Hk, g*Bq + gf*Bq*r, d)
+            d_gq[:, :, :, i0:i1] = d_rows[:, :, : g * bq].view(b, hk, g, bq, d)
+            d_factors[:, :, :, i0:i1] = d_rows[:, :, g * bq :].view(b, hk, gf, bq, r, d)
+            d_key[:, :, k0:k1] += torch.matmul(d_prods.transpose(-1, -2), rows)
         return (
             d_gq.to(gq.dtype),
             d_factors.to(factors.dtype),
@@ -297,42 +320,39 @@ class _BlockedGeodesicAttention(torch.autograd.Function):
             d_value.to(value.dtype),
             None,
             None,
-            None,
         )
 
 
 def blocked_geodesic_attention(
-    query, factors, key, value, alpha, gamma, scale, attention_mask=None, block_size=256
+    query, factors, key, value, alpha, gamma, scale, attention_mask=None, block_size=64
 ) -> torch.Tensor:
     """The default path: same function as ``reference_geodesic_attention``, extra memory O(n * block).
 
-    query (B, H, q, d) after RoPE; factors (B, H, q, r, d) after RoPE; key, value (B, Hk, kv, d) (not repeated);
-    alpha, gamma (H,). Returns the attention output (B, H, q, d).
+    query (B, H, q, d) after RoPE; factors (B, Hf, q, r, d) after RoPE, Hf = H (per head) or Hk (shared by each KV
+    group); key, value (B, Hk, kv, d) (not repeated); alpha, gamma (H,). Returns the attention output (B, H, q, d).
     """
     b, h, q_len, d = query.shape
     hk, kv_len = key.shape[1], key.shape[2]
-    g = h // hk
-    gq = metric_query(query, factors, alpha)
+    g, gf = h // hk, factors.shape[1] // hk
+    r = factors.shape[-2]
+    grouped_q = query.view(b, hk, g, q_len, d)  # heads h = kv_head * g + j, as repeat_kv orders them
+    grouped_f = factors.view(b, hk, gf, q_len, r, d)
+    gq = grouped_q + alpha.view(1, hk, g, 1, 1).to(query.dtype) * _lift(grouped_q, grouped_f)  # G_i q_i
     # -(gamma/2)||k_j||^2 per query head: (B, Hk, 1, kv) * (Hk, g) -> (B, Hk, g, kv)
     bias = -0.5 * key.pow(2).sum(-1)[:, :, None, :] * gamma.view(1, hk, g, 1).to(key.dtype)
     allowed = allowed_from_mask(attention_mask, q_len, kv_len)
     if allowed is not None:
         allowed = allowed.unsqueeze(2)  # (B|1, 1, 1, q, kv): broadcast over (Hk, g)
-    out = _BlockedGeodesicAttention.apply(
-        gq.view(b, hk, g, q_len, d),  # heads h = kv_head * g + j, as repeat_kv orders them
-        factors.reshape(b, hk, g, q_len, -1, d),
-        0.5 * alpha.view(hk, g),
-        bias,
-        key,
-        value,
-        allowed,
-        scale,
-        block_size,
-    )
+    # why fold the scale in here: the O(n d) inputs absorb it, instead of every O(n * block) score tile
+    inputs = (gq * scale, grouped_f * scale**0.5, 0.5 * alpha.view(hk, g), bias * scale, key, value)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        out = _BlockedGeodesicAttention.apply(*inputs, allowed, block_size)
+    else:  # inference (generation): no autograd bookkeeping, no saved tensors
+        out = _blocked_forward(*inputs, allowed, block_size)[0].to(query.dtype)
     return out.view(b, h, q_len, d)
 
 
-def blocked_attention_probs(query, factors, key, alpha, gamma, scale, attention_mask=None, block_size=256):
+def blocked_attention_probs(query, factors, key, alpha, gamma, scale, attention_mask=None, block_size=64):
     """Attention probabilities (B, H, q, kv), computed block by block (for ``output_attentions``; no gradient)."""
     with torch.no_grad():
         blocks = []
@@ -362,10 +382,13 @@ def woodbury_precondition(update: torch.Tensor, factors: torch.Tensor, beta: tor
     y, v = update.to(compute), factors.to(compute)
     beta = beta.to(compute)
     r = v.shape[-2]
-    coords = torch.matmul(v, y.unsqueeze(-1))  # V^T y: (..., r, 1)
-    system = torch.eye(r, dtype=compute, device=y.device) + beta * metric_gram(v)  # (..., r, r), SPD
+    # why elementwise products for V^T y and V s: per token they are (r x D) matrix-vector products, which batched
+    # matmul runs far below its speed; a multiply and a sum over D stream through memory once.
+    coords = (v * y.unsqueeze(-2)).sum(-1, keepdim=True)  # V^T y: (..., r, 1)
+    gram = metric_gram(v)  # V^T V: (..., r, r)
+    system = torch.eye(r, dtype=compute, device=y.device) + beta * gram  # SPD since beta > -1 and ||V||_2 < 1
     solved = torch.linalg.solve(system, coords)  # (..., r, 1)
-    correction = torch.matmul(solved.transpose(-1, -2), v).squeeze(-2)  # V (.)^{-1} V^T y: (..., D)
+    correction = (solved * v).sum(-2)  # V (.)^{-1} V^T y: (..., D)
     return (y - beta * correction).to(update.dtype)
 
 

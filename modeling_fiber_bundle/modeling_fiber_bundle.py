@@ -328,21 +328,23 @@ class FiberBundleAttention(nn.Module):
 
     def _geodesic_attention(self, query, key, value, attention_mask, state, cos, sin, dropout, output_attentions):
         # the factors turn with the query's rotary embedding, like q_i (relative positions only)
-        factors = expand_factors(rotate_factors(state.attn_factors, cos, sin), self.num_heads)  # (B, H, n, r, d)
+        factors = rotate_factors(state.attn_factors, cos, sin)  # (B, Hf, n, r, d)
         if self.config.fiber_attention_path == "reference" or dropout > 0:
             keys, values = repeat_kv(key, self.num_key_value_groups), repeat_kv(value, self.num_key_value_groups)
             return reference_geodesic_attention(
-                query, factors, keys, values, state.alpha, state.gamma, self.scaling, attention_mask, dropout, True
+                query, expand_factors(factors, self.num_heads), keys, values, state.alpha, state.gamma,
+                self.scaling, attention_mask, dropout, True,
             )
         block = self.config.attention_block_size
+        # shared KV-group factors stay unexpanded: U_i^T k_j is then computed once per group
         out = blocked_geodesic_attention(
             query, factors, key, value, state.alpha, state.gamma, self.scaling, attention_mask, block
         )
         probs = None
         if output_attentions:
             probs = blocked_attention_probs(
-                query, factors, repeat_kv(key, self.num_key_value_groups), state.alpha, state.gamma, self.scaling,
-                attention_mask, block,
+                query, expand_factors(factors, self.num_heads), repeat_kv(key, self.num_key_value_groups),
+                state.alpha, state.gamma, self.scaling, attention_mask, block,
             )
         return out, probs
 

@@ -43,11 +43,12 @@ class LargestTensor(TorchDispatchMode):
         return max(math.prod(s) for s in self.shapes)
 
 
-def make_inputs(b=2, h=4, hk=2, q=13, kv=13, d=8, r=2, seed=0, requires_grad=False, scale_factors=1.0):
+def make_inputs(b=2, h=4, hk=2, q=13, kv=13, d=8, r=2, seed=0, requires_grad=False, scale_factors=1.0, hf=None):
+    """Random attention inputs; factors per query head (hf = h, default) or shared by each KV group (hf = hk)."""
     gen = torch.Generator().manual_seed(seed)
     t = lambda *shape: torch.randn(*shape, generator=gen, dtype=F64)  # noqa: E731
     query, key, value = t(b, h, q, d), t(b, hk, kv, d), t(b, hk, kv, d)
-    factors = bounded_factors(scale_factors * t(b, h, q, r, d))
+    factors = bounded_factors(scale_factors * t(b, hf or h, q, r, d))
     alpha = 0.9 * torch.rand(h, generator=gen, dtype=F64) - 0.3
     gamma = torch.rand(h, generator=gen, dtype=F64)
     tensors = [query, factors, key, value, alpha, gamma]
@@ -156,14 +157,18 @@ def valid_rows(mask, b, h, q, kv):
 @pytest.mark.parametrize("mask_name", list(MASK_CASES))
 @pytest.mark.parametrize("block", [1, 4, 64])
 @pytest.mark.parametrize("hk", [1, 2, 4])
-def test_blocked_equals_reference_forward_and_backward(mask_name, block, hk):
+@pytest.mark.parametrize("shared", [False, True])
+def test_blocked_equals_reference_forward_and_backward(mask_name, block, hk, shared):
     b, h, n, d = 2, 4, 11, 8
-    query, factors, key, value, alpha, gamma = make_inputs(b=b, h=h, hk=hk, q=n, kv=n, d=d, requires_grad=True)
+    g = h // hk
+    query, factors, key, value, alpha, gamma = make_inputs(
+        b=b, h=h, hk=hk, q=n, kv=n, d=d, requires_grad=True, hf=hk if shared else h
+    )
     mask = MASK_CASES[mask_name](b, n, n)
     weight = valid_rows(mask, b, h, n, n) * torch.randn(b, h, n, d, dtype=F64)
     out_b = blocked_geodesic_attention(query, factors, key, value, alpha, gamma, 0.35, mask, block_size=block)
-    g = h // hk
-    out_r, _ = reference_geodesic_attention(query, factors, repeat(key, g), repeat(value, g), alpha, gamma, 0.35, mask)
+    per_head = repeat(factors, g) if shared else factors  # the reference path takes one factor matrix per head
+    out_r, _ = reference_geodesic_attention(query, per_head, repeat(key, g), repeat(value, g), alpha, gamma, 0.35, mask)
     torch.testing.assert_close(out_b, out_r, rtol=1e-11, atol=1e-12)  # fully masked rows are 0 on both
     grads_b = torch.autograd.grad((out_b * weight).sum(), [query, factors, key, value, alpha, gamma])
     grads_r = torch.autograd.grad((out_r * weight).sum(), [query, factors, key, value, alpha, gamma])
@@ -189,8 +194,9 @@ def test_blocked_probs_equal_reference_probs():
     torch.testing.assert_close(row_sums, mask.any(-1).expand_as(row_sums).to(F64))
 
 
-def test_blocked_gradcheck():
-    inputs = make_inputs(b=1, h=2, hk=1, q=5, kv=5, d=4, r=2, requires_grad=True)
+@pytest.mark.parametrize("hf", [1, 2])
+def test_blocked_gradcheck(hf):
+    inputs = make_inputs(b=1, h=2, hk=1, q=5, kv=5, d=4, r=2, requires_grad=True, hf=hf)
     fn = lambda q, f, k, v, a, g: blocked_geodesic_attention(q, f, k, v, a, g, 0.5, None, block_size=2)  # noqa: E731
     assert torch.autograd.gradcheck(fn, inputs)
 
