@@ -57,6 +57,9 @@ class FiberBundleConfig(PreTrainedConfig):
         fiber_attention_path (`str`, defaults to "blocked"):
             "blocked" (default, memory-bounded, custom backward) or "reference" (short and obviously correct,
             materialises the n x n x r score terms; for tests and debugging).
+        geometry_recompute (`bool`, defaults to True):
+            In training, keep only the inputs of the O(n d r) metric computations (factor generation, rotation, G_i q_i,
+            Woodbury) and recompute them in the backward: less activation memory for a few percent more time.
     """
 
     model_type = "fiber_bundle"
@@ -121,6 +124,7 @@ class FiberBundleConfig(PreTrainedConfig):
     # Attention kernel
     attention_block_size: int = 64
     fiber_attention_path: str = "blocked"
+    geometry_recompute: bool = True
 
     def __post_init__(self, **kwargs):
         if self.num_key_value_heads is None:

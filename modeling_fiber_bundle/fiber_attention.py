@@ -254,25 +254,37 @@ def _blocked_forward(gq, factors, half_alpha, bias, key, value, allowed, block_s
     return out, lse
 
 
+def _kernel_operands(query, factors, alpha, scale):
+    """scale * G_i q_i, sqrt(scale) * U_i and alpha / 2: the blocked loop's operands, with the scale folded in.
+    Why fold the scale here: these O(n d) tensors absorb it instead of every O(n * block) score tile."""
+    hk, g = alpha.shape
+    lifted = _lift(query, factors)  # U_i (U_i^T q_i): (B, Hk, g, q, d), factors broadcast over a shared group
+    gq = query + alpha.view(1, hk, g, 1, 1) * lifted  # G_i q_i
+    return gq * scale, factors * scale**0.5, 0.5 * alpha, lifted
+
+
 class _BlockedGeodesicAttention(torch.autograd.Function):
     """Memory-bounded geodesic attention with a recomputing backward (flash-attention style, on plain matmuls).
 
-    Grouped by KV head so keys are never repeated: gq (B, Hk, g, q, d); factors (B, Hk, gf, q, r, d), gf in {1, g};
-    half_alpha (Hk, g); bias (B, Hk, g, kv); key, value (B, Hk, kv, d); allowed (B|1, 1, 1, q, kv) bool or None.
-    The softmax scale is folded into gq, factors and bias by the caller.
+    Grouped by KV head so keys are never repeated: query (B, Hk, g, q, d); factors (B, Hk, gf, q, r, d), gf in {1, g};
+    alpha (Hk, g); bias (B, Hk, g, kv) with the softmax scale folded in; key, value (B, Hk, kv, d); allowed
+    (B|1, 1, 1, q, kv) bool or None. Saves only these inputs, the output and the log-sum-exp: G_i q_i is rebuilt in
+    the backward, so training keeps no extra (n x d) tensor per head.
     """
 
     @staticmethod
-    def forward(ctx, gq, factors, half_alpha, bias, key, value, allowed, block_size):
-        out, lse = _blocked_forward(gq, factors, half_alpha, bias, key, value, allowed, block_size)
-        ctx.save_for_backward(gq, factors, half_alpha, bias, key, value, allowed, out, lse)
-        ctx.block_size = block_size
-        return out.to(gq.dtype)
+    def forward(ctx, query, factors, alpha, bias, key, value, allowed, scale, block_size):
+        gq, factors_s, half_alpha, _ = _kernel_operands(query, factors, alpha, scale)
+        out, lse = _blocked_forward(gq, factors_s, half_alpha, bias, key, value, allowed, block_size)
+        ctx.save_for_backward(query, factors, alpha, bias, key, value, allowed, out, lse)
+        ctx.scale, ctx.block_size = scale, block_size
+        return out.to(query.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
-        gq, factors, half_alpha, bias, key, value, allowed, out, lse = ctx.saved_tensors
-        block_size = ctx.block_size
+        query, factors_in, alpha, bias, key, value, allowed, out, lse = ctx.saved_tensors
+        scale, block_size = ctx.scale, ctx.block_size
+        gq, factors, half_alpha, lifted = _kernel_operands(query, factors_in, alpha, scale)
         b, hk, g, q_len, d = gq.shape
         gf, r = factors.shape[2], factors.shape[4]
         kv_len = key.shape[2]
@@ -311,16 +323,64 @@ class _BlockedGeodesicAttention(torch.autograd.Function):
             d_gq[:, :, :, i0:i1] = d_rows[:, :, : g * bq].view(b, hk, g, bq, d)
             d_factors[:, :, :, i0:i1] = d_rows[:, :, g * bq :].view(b, hk, gf, bq, r, d)
             d_key[:, :, k0:k1] += torch.matmul(d_prods.transpose(-1, -2), rows)
+        # chain rule through the operands: gq = scale (q + alpha U U^T q), factors = sqrt(scale) U, half_alpha = alpha/2
+        d_gq = d_gq * scale  # d/d(G_i q_i)
+        a = alpha.to(compute).view(1, hk, g, 1, 1)
+        q_c, u_c = query.to(compute), factors_in.to(compute)
+        coords = torch.matmul(u_c, q_c.unsqueeze(-1))  # U^T q: (B, Hk, g, q, r, 1)
+        d_coords = torch.matmul(u_c, d_gq.unsqueeze(-1))  # U^T dgq: (B, Hk, g, q, r, 1)
+        d_query = d_gq + a * torch.matmul(d_coords.transpose(-1, -2), u_c).squeeze(-2)  # G is symmetric
+        # d/dU of alpha U U^T q: alpha (U^T q) dgq^T + alpha (U^T dgq) q^T, summed over the heads sharing U
+        d_lift = a.unsqueeze(-1) * (coords * d_gq.unsqueeze(-2) + d_coords * q_c.unsqueeze(-2))
+        if gf == 1:
+            d_lift = d_lift.sum(2, keepdim=True)
+        d_factors = d_factors * scale**0.5 + d_lift
+        d_alpha = 0.5 * d_half_alpha + (d_gq * lifted.to(compute)).sum(dim=(0, 3, 4))
         return (
-            d_gq.to(gq.dtype),
-            d_factors.to(factors.dtype),
-            d_half_alpha.to(half_alpha.dtype),
+            d_query.to(query.dtype),
+            d_factors.to(factors_in.dtype),
+            d_alpha.to(alpha.dtype),
             d_bias.to(bias.dtype),
             d_key.to(key.dtype),
             d_value.to(value.dtype),
             None,
             None,
+            None,
         )
+
+
+def prepare_geodesic_inputs(query, factors, key, alpha, gamma, scale):
+    """The O(n d r) inputs of the blocked kernel, grouped by KV head.
+
+    query (B, H, q, d) after RoPE; factors (B, Hf, q, r, d) after RoPE, Hf = H (per head) or Hk (shared by each KV
+    group); key (B, Hk, kv, d); alpha, gamma (H,). Returns query (B, Hk, g, q, d), factors (B, Hk, gf, q, r, d),
+    alpha (Hk, g) and the key term -scale (gamma/2) ||k_j||^2 (B, Hk, g, kv).
+    """
+    b, h, q_len, d = query.shape
+    hk = key.shape[1]
+    g, gf = h // hk, factors.shape[1] // hk
+    grouped_q = query.view(b, hk, g, q_len, d)  # heads h = kv_head * g + j, as repeat_kv orders them
+    grouped_f = factors.view(b, hk, gf, q_len, factors.shape[-2], d)
+    # -(gamma/2)||k_j||^2 per query head: (B, Hk, 1, kv) * (Hk, g) -> (B, Hk, g, kv)
+    bias = (-0.5 * scale) * key.pow(2).sum(-1)[:, :, None, :] * gamma.view(1, hk, g, 1).to(key.dtype)
+    return grouped_q, grouped_f, alpha.view(hk, g).to(query.dtype), bias
+
+
+def blocked_geodesic_kernel(prepared, key, value, scale, attention_mask=None, block_size=64) -> torch.Tensor:
+    """Geodesic attention from ``prepare_geodesic_inputs``'s output; key, value (B, Hk, kv, d) (not repeated).
+    Returns the attention output (B, H, q, d)."""
+    query, factors, alpha, bias = prepared
+    b, hk, g, q_len, d = query.shape
+    allowed = allowed_from_mask(attention_mask, q_len, key.shape[2])
+    if allowed is not None:
+        allowed = allowed.unsqueeze(2)  # (B|1, 1, 1, q, kv): broadcast over (Hk, g)
+    inputs = (query, factors, alpha, bias, key, value)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        out = _BlockedGeodesicAttention.apply(*inputs, allowed, scale, block_size)
+    else:  # inference (generation): no autograd bookkeeping, no saved tensors
+        gq, factors_s, half_alpha, _ = _kernel_operands(query, factors, alpha, scale)
+        out = _blocked_forward(gq, factors_s, half_alpha, bias, key, value, allowed, block_size)[0].to(query.dtype)
+    return out.view(b, hk * g, q_len, d)
 
 
 def blocked_geodesic_attention(
@@ -331,25 +391,8 @@ def blocked_geodesic_attention(
     query (B, H, q, d) after RoPE; factors (B, Hf, q, r, d) after RoPE, Hf = H (per head) or Hk (shared by each KV
     group); key, value (B, Hk, kv, d) (not repeated); alpha, gamma (H,). Returns the attention output (B, H, q, d).
     """
-    b, h, q_len, d = query.shape
-    hk, kv_len = key.shape[1], key.shape[2]
-    g, gf = h // hk, factors.shape[1] // hk
-    r = factors.shape[-2]
-    grouped_q = query.view(b, hk, g, q_len, d)  # heads h = kv_head * g + j, as repeat_kv orders them
-    grouped_f = factors.view(b, hk, gf, q_len, r, d)
-    gq = grouped_q + alpha.view(1, hk, g, 1, 1).to(query.dtype) * _lift(grouped_q, grouped_f)  # G_i q_i
-    # -(gamma/2)||k_j||^2 per query head: (B, Hk, 1, kv) * (Hk, g) -> (B, Hk, g, kv)
-    bias = -0.5 * key.pow(2).sum(-1)[:, :, None, :] * gamma.view(1, hk, g, 1).to(key.dtype)
-    allowed = allowed_from_mask(attention_mask, q_len, kv_len)
-    if allowed is not None:
-        allowed = allowed.unsqueeze(2)  # (B|1, 1, 1, q, kv): broadcast over (Hk, g)
-    # why fold the scale in here: the O(n d) inputs absorb it, instead of every O(n * block) score tile
-    inputs = (gq * scale, grouped_f * scale**0.5, 0.5 * alpha.view(hk, g), bias * scale, key, value)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
-        out = _BlockedGeodesicAttention.apply(*inputs, allowed, block_size)
-    else:  # inference (generation): no autograd bookkeeping, no saved tensors
-        out = _blocked_forward(*inputs, allowed, block_size)[0].to(query.dtype)
-    return out.view(b, h, q_len, d)
+    prepared = prepare_geodesic_inputs(query, factors, key, alpha, gamma, scale)
+    return blocked_geodesic_kernel(prepared, key, value, scale, attention_mask, block_size)
 
 
 def blocked_attention_probs(query, factors, key, alpha, gamma, scale, attention_mask=None, block_size=64):

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
@@ -38,8 +39,10 @@ from .fiber_attention import (
     apply_rotary,
     blocked_attention_probs,
     blocked_geodesic_attention,
+    blocked_geodesic_kernel,
     bounded_factors,
     curvature_proxy,
+    prepare_geodesic_inputs,
     reference_geodesic_attention,
     rotate_factors,
     torsion_proxy,
@@ -208,16 +211,17 @@ class FiberBundleMetric(nn.Module):
             )
             self.ffn_gate = nn.Parameter(torch.zeros(()))  # phi
 
-    def forward(self, normed_hidden: torch.Tensor) -> FiberState:
+    def forward(self, normed_hidden: torch.Tensor, part: str = "all") -> FiberState:
+        """The layer's metric field for ``part`` in {"attention", "ffn", "all"} (the others are None)."""
         b, n, _ = normed_hidden.shape
         code = self.code_act(self.code_proj(normed_hidden))  # z: (B, n, m)
         attn_factors = alpha = gamma = ffn_factors = beta = None
-        if self.metric_rank > 0:
+        if self.metric_rank > 0 and part != "ffn":
             raw = self.attn_factor_proj(code).view(b, n, self.factor_heads, self.metric_rank, self.head_dim)
             attn_factors = bounded_factors(raw.transpose(1, 2))  # (B, Hf, n, r, d)
             alpha = torch.expm1(self.attn_gate)
             gamma = self.flatness_gate
-        if self.ffn_metric_rank > 0:
+        if self.ffn_metric_rank > 0 and part != "attention":
             raw = self.ffn_factor_proj(code).view(b, n, self.ffn_metric_rank, self.hidden_size)
             ffn_factors = bounded_factors(raw)  # (B, n, r_f, D)
             beta = torch.expm1(self.ffn_gate)
@@ -268,12 +272,15 @@ class FiberBundleAttention(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
-        fiber_state: FiberState | None = None,
+        fiber: "FiberBundleMetric | None" = None,
         output_attentions: bool = False,
         output_geometry: bool = False,
         token_mask: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None, dict | None]:
+        """``hidden_states`` is the layer's normalised input, from which ``fiber`` (the layer's metric module, None for
+        the backbone's attention) generates each token's metric."""
+        geodesic = fiber is not None and self.config.metric_rank > 0
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         query_states = self.q_proj(hidden_states).view(hidden_shape)  # (B, n, H, d)
@@ -284,12 +291,13 @@ class FiberBundleAttention(nn.Module):
         query_states, key_states = query_states.transpose(1, 2), key_states.transpose(1, 2)  # (B, H|Hk, n, d)
 
         geometry = None
-        if output_geometry and fiber_state is not None and fiber_state.attn_factors is not None:
+        if output_geometry and geodesic:
             # measured in each token's own frame (before RoPE), where a homogeneous metric is one constant matrix
+            state = fiber(hidden_states, "attention")
             geometry = layer_geometry(
-                expand_factors(fiber_state.attn_factors, self.num_heads),
+                expand_factors(state.attn_factors, self.num_heads),
                 repeat_kv(key_states, self.num_key_value_groups),
-                fiber_state.alpha,
+                state.alpha,
                 self.config.geometry_block_size,
                 token_mask,
             )
@@ -301,7 +309,7 @@ class FiberBundleAttention(nn.Module):
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
 
         dropout = self.attention_dropout if self.training else 0.0
-        if fiber_state is None or fiber_state.attn_factors is None:
+        if not geodesic:
             attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
                 self.config._attn_implementation, eager_attention_forward
             )
@@ -319,34 +327,51 @@ class FiberBundleAttention(nn.Module):
             )
         else:
             attn_output, attn_weights = self._geodesic_attention(
-                query_states, key_states, value_states, attention_mask, fiber_state, cos, sin, dropout,
+                hidden_states, query_states, key_states, value_states, attention_mask, fiber, cos, sin, dropout,
                 output_attentions,
             )
             attn_output = attn_output.transpose(1, 2)  # (B, n, H, d)
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         return self.o_proj(attn_output), (attn_weights if output_attentions else None), geometry
 
-    def _geodesic_attention(self, query, key, value, attention_mask, state, cos, sin, dropout, output_attentions):
-        # the factors turn with the query's rotary embedding, like q_i (relative positions only)
-        factors = rotate_factors(state.attn_factors, cos, sin)  # (B, Hf, n, r, d)
-        if self.config.fiber_attention_path == "reference" or dropout > 0:
-            keys, values = repeat_kv(key, self.num_key_value_groups), repeat_kv(value, self.num_key_value_groups)
-            return reference_geodesic_attention(
-                query, expand_factors(factors, self.num_heads), keys, values, state.alpha, state.gamma,
-                self.scaling, attention_mask, dropout, True,
-            )
+    def _geodesic_attention(self, normed, query, key, value, attention_mask, fiber, cos, sin, dropout,
+                            output_attentions):
         block = self.config.attention_block_size
-        # shared KV-group factors stay unexpanded: U_i^T k_j is then computed once per group
-        out = blocked_geodesic_attention(
-            query, factors, key, value, state.alpha, state.gamma, self.scaling, attention_mask, block
-        )
-        probs = None
-        if output_attentions:
-            probs = blocked_attention_probs(
-                query, expand_factors(factors, self.num_heads), repeat_kv(key, self.num_key_value_groups),
-                state.alpha, state.gamma, self.scaling, attention_mask, block,
+        if self.config.fiber_attention_path == "reference" or dropout > 0 or output_attentions:
+            state = fiber(normed, "attention")
+            # the factors turn with the query's rotary embedding, like q_i (relative positions only)
+            factors = rotate_factors(state.attn_factors, cos, sin)  # (B, Hf, n, r, d)
+            keys = repeat_kv(key, self.num_key_value_groups)
+            if self.config.fiber_attention_path == "reference" or dropout > 0:
+                return reference_geodesic_attention(
+                    query, expand_factors(factors, self.num_heads), keys, repeat_kv(value, self.num_key_value_groups),
+                    state.alpha, state.gamma, self.scaling, attention_mask, dropout, True,
+                )
+            out = blocked_geodesic_attention(
+                query, factors, key, value, state.alpha, state.gamma, self.scaling, attention_mask, block
             )
-        return out, probs
+            probs = blocked_attention_probs(
+                query, expand_factors(factors, self.num_heads), keys, state.alpha, state.gamma, self.scaling,
+                attention_mask, block,
+            )
+            return out, probs
+
+        def prepare(normed, query, key):
+            state = fiber(normed, "attention")
+            factors = rotate_factors(state.attn_factors, cos, sin)  # RoPE'd like q_i: relative positions only
+            # shared KV-group factors stay unexpanded: U_i^T k_j is then computed once per group
+            return prepare_geodesic_inputs(query, factors, key, state.alpha, state.gamma, self.scaling)
+
+        prepared = _maybe_recompute(self.config, prepare, normed, query, key)
+        return blocked_geodesic_kernel(prepared, key, value, self.scaling, attention_mask, block), None
+
+
+def _maybe_recompute(config, function, *args):
+    """Run ``function``; when gradients are being recorded and ``config.geometry_recompute`` is set, keep only its
+    inputs for the backward and recompute its O(n d r) intermediates there (torch.utils.checkpoint)."""
+    if config.geometry_recompute and torch.is_grad_enabled():
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
+    return function(*args)
 
 
 def layer_geometry(factors, keys, alpha, block_size, token_mask=None) -> dict[str, torch.Tensor]:
@@ -366,6 +391,8 @@ class FiberBundleDecoderLayer(GradientCheckpointingLayer):
         self.mlp = FiberBundleMLP(config)
         self.input_layernorm = FiberBundleRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = FiberBundleRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.ffn_metric_rank = config.ffn_metric_rank
+        self.config = config
         if config.metric_rank > 0 or config.ffn_metric_rank > 0:
             self.fiber = FiberBundleMetric(config)
 
@@ -383,16 +410,16 @@ class FiberBundleDecoderLayer(GradientCheckpointingLayer):
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None, dict | None]:
         residual = hidden_states
-        hidden_states = self.input_layernorm(hidden_states)
-        fiber_state = self.fiber(hidden_states) if hasattr(self, "fiber") else None
+        normed = self.input_layernorm(hidden_states)
+        fiber = getattr(self, "fiber", None)
         hidden_states, attn_weights, geometry = self.self_attn(
-            hidden_states,
+            normed,
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
             position_ids=position_ids,
             cache=cache,
             use_cache=use_cache,
-            fiber_state=fiber_state,
+            fiber=fiber,
             output_attentions=output_attentions,
             output_geometry=output_geometry,
             token_mask=token_mask,
@@ -402,9 +429,13 @@ class FiberBundleDecoderLayer(GradientCheckpointingLayer):
 
         residual = hidden_states
         update = self.mlp(self.post_attention_layernorm(hidden_states))
-        if fiber_state is not None and fiber_state.ffn_factors is not None:
+        if fiber is not None and self.ffn_metric_rank > 0:
             # metric-preconditioned step: x <- x + M^{-1} MLP(RMSNorm(x)), Woodbury inverse, never D x D
-            update = woodbury_precondition(update, fiber_state.ffn_factors, fiber_state.beta)
+            def precondition(normed, update):
+                state = fiber(normed, "ffn")
+                return woodbury_precondition(update, state.ffn_factors, state.beta)
+
+            update = _maybe_recompute(self.config, precondition, normed, update)
         hidden_states = residual + update
         return hidden_states, attn_weights, geometry
 
