@@ -379,8 +379,22 @@ def blocked_geodesic_kernel(prepared, key, value, scale, attention_mask=None, bl
         out = _BlockedGeodesicAttention.apply(*inputs, allowed, scale, block_size)
     else:  # inference (generation): no autograd bookkeeping, no saved tensors
         gq, factors_s, half_alpha, _ = _kernel_operands(query, factors, alpha, scale)
-        out = _blocked_forward(gq, factors_s, half_alpha, bias, key, value, allowed, block_size)[0].to(query.dtype)
-    return out.view(b, hk * g, q_len, d)
+        if q_len == 1 and query.dtype in (torch.float32, torch.float64):
+            out = _decode_step(gq, factors_s, half_alpha, bias, key, value, allowed)
+        else:
+            out = _blocked_forward(gq, factors_s, half_alpha, bias, key, value, allowed, block_size)[0]
+    return out.to(query.dtype).view(b, hk * g, q_len, d)
+
+
+def _decode_step(gq, factors, half_alpha, bias, key, value, allowed):
+    """One new token against the cache: the blocked forward's math for a single row, without the loop, the key-range
+    search and the log-sum-exp (nothing is saved for a backward). Why: decoding is bound by the number of ops."""
+    b, hk, g, _, d = gq.shape
+    _, prods = _block_products(gq, factors, key)
+    logits, _, _ = _block_logits(prods, (g, factors.shape[2], 1, factors.shape[4]), bias,
+                                 half_alpha.view(1, hk, g, 1, 1), allowed)
+    probs = zero_empty_rows(torch.softmax(logits, dim=-1), allowed)  # (B, Hk, g, 1, kv)
+    return torch.matmul(probs.view(b, hk, g, -1), value).view(b, hk, g, 1, d)
 
 
 def blocked_geodesic_attention(
@@ -424,12 +438,12 @@ def woodbury_precondition(update: torch.Tensor, factors: torch.Tensor, beta: tor
     compute = torch.promote_types(update.dtype, torch.float32)  # why: linalg.solve has no half-precision kernels
     y, v = update.to(compute), factors.to(compute)
     beta = beta.to(compute)
-    r = v.shape[-2]
     # why elementwise products for V^T y and V s: per token they are (r x D) matrix-vector products, which batched
     # matmul runs far below its speed; a multiply and a sum over D stream through memory once.
     coords = (v * y.unsqueeze(-2)).sum(-1, keepdim=True)  # V^T y: (..., r, 1)
     gram = metric_gram(v)  # V^T V: (..., r, r)
-    system = torch.eye(r, dtype=compute, device=y.device) + beta * gram  # SPD since beta > -1 and ||V||_2 < 1
+    system = beta * gram
+    system.diagonal(dim1=-2, dim2=-1).add_(1.0)  # I + beta V^T V: SPD since beta > -1 and ||V||_2 < 1
     solved = torch.linalg.solve(system, coords)  # (..., r, 1)
     correction = (solved * v).sum(-2)  # V (.)^{-1} V^T y: (..., D)
     return (y - beta * correction).to(update.dtype)

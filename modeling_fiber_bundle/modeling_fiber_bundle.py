@@ -38,7 +38,6 @@ from .fiber_attention import (
     anisotropy,
     apply_rotary,
     blocked_attention_probs,
-    blocked_geodesic_attention,
     blocked_geodesic_kernel,
     bounded_factors,
     curvature_proxy,
@@ -273,13 +272,15 @@ class FiberBundleAttention(nn.Module):
         attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
         fiber: "FiberBundleMetric | None" = None,
+        fiber_state: FiberState | None = None,
         output_attentions: bool = False,
         output_geometry: bool = False,
         token_mask: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None, dict | None]:
         """``hidden_states`` is the layer's normalised input, from which ``fiber`` (the layer's metric module, None for
-        the backbone's attention) generates each token's metric."""
+        the backbone's attention) generates each token's metric; ``fiber_state`` is that metric when the layer has
+        already computed it (it is recomputed here when the backward is to recompute it)."""
         geodesic = fiber is not None and self.config.metric_rank > 0
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
@@ -293,7 +294,7 @@ class FiberBundleAttention(nn.Module):
         geometry = None
         if output_geometry and geodesic:
             # measured in each token's own frame (before RoPE), where a homogeneous metric is one constant matrix
-            state = fiber(hidden_states, "attention")
+            state = fiber_state if fiber_state is not None else fiber(hidden_states, "attention")
             geometry = layer_geometry(
                 expand_factors(state.attn_factors, self.num_heads),
                 repeat_kv(key_states, self.num_key_value_groups),
@@ -327,49 +328,55 @@ class FiberBundleAttention(nn.Module):
             )
         else:
             attn_output, attn_weights = self._geodesic_attention(
-                hidden_states, query_states, key_states, value_states, attention_mask, fiber, cos, sin, dropout,
-                output_attentions,
+                hidden_states, query_states, key_states, value_states, attention_mask, fiber, fiber_state, cos, sin,
+                dropout, output_attentions,
             )
             attn_output = attn_output.transpose(1, 2)  # (B, n, H, d)
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         return self.o_proj(attn_output), (attn_weights if output_attentions else None), geometry
 
-    def _geodesic_attention(self, normed, query, key, value, attention_mask, fiber, cos, sin, dropout,
+    def _geodesic_attention(self, normed, query, key, value, attention_mask, fiber, fiber_state, cos, sin, dropout,
                             output_attentions):
         block = self.config.attention_block_size
-        if self.config.fiber_attention_path == "reference" or dropout > 0 or output_attentions:
-            state = fiber(normed, "attention")
-            # the factors turn with the query's rotary embedding, like q_i (relative positions only)
-            factors = rotate_factors(state.attn_factors, cos, sin)  # (B, Hf, n, r, d)
-            keys = repeat_kv(key, self.num_key_value_groups)
-            if self.config.fiber_attention_path == "reference" or dropout > 0:
-                return reference_geodesic_attention(
-                    query, expand_factors(factors, self.num_heads), keys, repeat_kv(value, self.num_key_value_groups),
-                    state.alpha, state.gamma, self.scaling, attention_mask, dropout, True,
-                )
-            out = blocked_geodesic_attention(
-                query, factors, key, value, state.alpha, state.gamma, self.scaling, attention_mask, block
+
+        def metric(normed):  # this layer's factors, turned with the query's rotary embedding (relative positions only)
+            state = fiber_state if fiber_state is not None else fiber(normed, "attention")
+            return state, rotate_factors(state.attn_factors, cos, sin)  # (B, Hf, n, r, d)
+
+        if self.config.fiber_attention_path == "reference" or dropout > 0:  # attention dropout needs the probabilities
+            state, factors = metric(normed)
+            return reference_geodesic_attention(
+                query, expand_factors(factors, self.num_heads), repeat_kv(key, self.num_key_value_groups),
+                repeat_kv(value, self.num_key_value_groups), state.alpha, state.gamma, self.scaling, attention_mask,
+                dropout, True,
             )
-            probs = blocked_attention_probs(
-                query, expand_factors(factors, self.num_heads), keys, state.alpha, state.gamma, self.scaling,
-                attention_mask, block,
-            )
-            return out, probs
 
         def prepare(normed, query, key):
-            state = fiber(normed, "attention")
-            factors = rotate_factors(state.attn_factors, cos, sin)  # RoPE'd like q_i: relative positions only
+            state, factors = metric(normed)
             # shared KV-group factors stay unexpanded: U_i^T k_j is then computed once per group
             return prepare_geodesic_inputs(query, factors, key, state.alpha, state.gamma, self.scaling)
 
         prepared = _maybe_recompute(self.config, prepare, normed, query, key)
-        return blocked_geodesic_kernel(prepared, key, value, self.scaling, attention_mask, block), None
+        out = blocked_geodesic_kernel(prepared, key, value, self.scaling, attention_mask, block)
+        probs = None
+        if output_attentions:
+            state, factors = metric(normed)
+            probs = blocked_attention_probs(
+                query, expand_factors(factors, self.num_heads), repeat_kv(key, self.num_key_value_groups),
+                state.alpha, state.gamma, self.scaling, attention_mask, block,
+            )
+        return out, probs
+
+
+def _recomputes(config) -> bool:
+    """Whether the O(n d r) geometry is recomputed in the backward (training with ``geometry_recompute``)."""
+    return config.geometry_recompute and torch.is_grad_enabled()
 
 
 def _maybe_recompute(config, function, *args):
-    """Run ``function``; when gradients are being recorded and ``config.geometry_recompute`` is set, keep only its
-    inputs for the backward and recompute its O(n d r) intermediates there (torch.utils.checkpoint)."""
-    if config.geometry_recompute and torch.is_grad_enabled():
+    """Run ``function``; when ``_recomputes``, keep only its inputs for the backward and recompute its intermediates
+    there (torch.utils.checkpoint)."""
+    if _recomputes(config):
         return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
     return function(*args)
 
@@ -412,6 +419,8 @@ class FiberBundleDecoderLayer(GradientCheckpointingLayer):
         residual = hidden_states
         normed = self.input_layernorm(hidden_states)
         fiber = getattr(self, "fiber", None)
+        # without a recomputing backward, generate the metric once for attention and MLP (cheapest for decoding)
+        fiber_state = fiber(normed) if fiber is not None and not _recomputes(self.config) else None
         hidden_states, attn_weights, geometry = self.self_attn(
             normed,
             position_embeddings=position_embeddings,
@@ -420,6 +429,7 @@ class FiberBundleDecoderLayer(GradientCheckpointingLayer):
             cache=cache,
             use_cache=use_cache,
             fiber=fiber,
+            fiber_state=fiber_state,
             output_attentions=output_attentions,
             output_geometry=output_geometry,
             token_mask=token_mask,
@@ -432,7 +442,7 @@ class FiberBundleDecoderLayer(GradientCheckpointingLayer):
         if fiber is not None and self.ffn_metric_rank > 0:
             # metric-preconditioned step: x <- x + M^{-1} MLP(RMSNorm(x)), Woodbury inverse, never D x D
             def precondition(normed, update):
-                state = fiber(normed, "ffn")
+                state = fiber_state if fiber_state is not None else fiber(normed, "ffn")
                 return woodbury_precondition(update, state.ffn_factors, state.beta)
 
             update = _maybe_recompute(self.config, precondition, normed, update)

@@ -418,6 +418,33 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients():
         torch.testing.assert_close(g, grads[1][1][name], rtol=1e-10, atol=1e-12, msg=lambda m: f"{name}: {m}")
 
 
+def saved_bytes(model, ids):
+    """Bytes of the distinct storages autograd keeps for the backward of one training forward."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(ids, labels=ids).loss
+    return loss, sum(storages.values())
+
+
+def test_geometry_recompute_gives_the_same_gradients_with_less_saved_memory():
+    ids = random_ids(2, 64)
+    results = {}
+    for recompute in (False, True):
+        model = set_gates(tiny_model(geometry_recompute=recompute, ffn_metric_rank=4, metric_rank=4)).train()
+        loss, nbytes = saved_bytes(model, ids)
+        loss.backward()
+        results[recompute] = (loss.detach(), nbytes, {n: p.grad.clone() for n, p in model.named_parameters()})
+    torch.testing.assert_close(results[True][0], results[False][0], rtol=0, atol=0)
+    for name, g in results[False][2].items():
+        torch.testing.assert_close(results[True][2][name], g, rtol=1e-12, atol=1e-13, msg=lambda m: f"{name}: {m}")
+    assert results[True][1] < 0.85 * results[False][1]  # the O(n d r) intermediates are not kept
+
+
 def test_bf16_forward_stays_finite_on_long_inputs():
     model = set_gates(tiny_model(max_position_embeddings=4096, attention_block_size=256), alpha=3.0, gamma=1.0)
     model = model.to(torch.bfloat16)
