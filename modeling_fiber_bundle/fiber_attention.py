@@ -71,11 +71,6 @@ def metric_query(query: torch.Tensor, factors: torch.Tensor, alpha: torch.Tensor
     return query + alpha.view(1, -1, 1, 1).to(query.dtype) * _lift(query, factors)
 
 
-def key_bias(key: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
-    """The -(gamma/2) ||k_j||^2 term, per query head. key (B, H, n_k, d) (already repeated to H); returns (B, H, n_k)."""
-    return -0.5 * gamma.view(1, -1, 1).to(key.dtype) * key.pow(2).sum(-1)
-
-
 def metric_gram(factors: torch.Tensor) -> torch.Tensor:
     """U^T U as an r x r Gram matrix per token, from row-wise factors (..., r, d) -> (..., r, r)."""
     return torch.matmul(factors, factors.transpose(-1, -2))
@@ -210,7 +205,7 @@ def _block_products(gq_blk, factors_blk, key_blk):
 def _block_logits(prods, shape, bias_blk, half_alpha, allowed_blk):
     """Combine the products into scores (G_i q_i).k_j + bias_j - (alpha/2) ||U_i^T k_j||^2 and mask them.
 
-    The softmax scale is already folded into the inputs (see ``blocked_geodesic_attention``).
+    The softmax scale is already folded into the inputs (see ``_kernel_operands``).
     prods (B, Hk, g*Bq + gf*Bq*r, nk); shape = (g, gf, Bq, r); bias_blk (B, Hk, g, nk); half_alpha (1, Hk, g, 1, 1).
     Returns logits (B, Hk, g, Bq, nk), coords U_i^T k_j (B, Hk, gf, Bq, r, nk) and their squared norms (.., gf, Bq, nk).
     """
@@ -293,7 +288,7 @@ class _BlockedGeodesicAttention(torch.autograd.Function):
         bias_c, ha = bias.to(compute), half_alpha.to(compute).view(1, hk, g, 1, 1)
         grad_out = grad_out.to(compute)
         d_gq, d_factors = torch.empty_like(gq_c), torch.empty_like(factors_c)
-        d_half_alpha, d_bias = torch.zeros((hk, g), dtype=compute), torch.zeros_like(bias_c)
+        d_half_alpha, d_bias = out.new_zeros((hk, g)), torch.zeros_like(bias_c)
         d_key, d_value = torch.zeros_like(key_c), torch.zeros_like(value_c)
         # D_i = sum_j P_ij dP_ij = dO_i . O_i (softmax backward without storing P)
         delta = (grad_out * out).sum(-1, keepdim=True)  # (B, Hk, g, q, 1)

@@ -31,6 +31,8 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs
 
 from .configuration_fiber_bundle import FiberBundleConfig
 from .fiber_attention import (
@@ -276,7 +278,7 @@ class FiberBundleAttention(nn.Module):
         output_attentions: bool = False,
         output_geometry: bool = False,
         token_mask: torch.Tensor | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None, dict | None]:
         """``hidden_states`` is the layer's normalised input, from which ``fiber`` (the layer's metric module, None for
         the backbone's attention) generates each token's metric; ``fiber_state`` is that metric when the layer has
@@ -414,7 +416,7 @@ class FiberBundleDecoderLayer(GradientCheckpointingLayer):
         output_attentions: bool = False,
         output_geometry: bool = False,
         token_mask: torch.Tensor | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None, dict | None]:
         residual = hidden_states
         normed = self.input_layernorm(hidden_states)
@@ -543,7 +545,7 @@ class FiberBundleModel(FiberBundlePreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         output_geometry: bool | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> FiberBundleModelOutputWithPast:
         cache = _pop_deprecated_cache(cache, kwargs)
         if (input_ids is None) ^ (inputs_embeds is not None):
@@ -642,7 +644,7 @@ class FiberBundleForCausalLM(FiberBundlePreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         output_geometry: bool | None = None,
         return_dict: bool | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> FiberBundleCausalLMOutputWithPast:
         r"""
         Causal LM forward. ``output_geometry=True`` adds ``geometry``: per-layer curvature, torsion and anisotropy
