@@ -1,8 +1,6 @@
 """A saved folder is a Hub folder: it loads with trust_remote_code in a fresh process where this project is absent."""
 
 import json
-import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -12,23 +10,12 @@ import torch
 from transformers import PreTrainedTokenizerFast
 from transformers.dynamic_module_utils import check_imports, get_imports, get_relative_imports
 
-from conftest import random_ids, set_gates, tiny_model
+from conftest import random_ids, run_without_project, set_gates, tiny_model
 
-# Run in a child: blocks every import of this project, then loads the folder the way a Hub user does.
+# Run in a child where this project cannot be imported (conftest.run_without_project): load as a Hub user does.
 CHILD = textwrap.dedent(
     """
-    import importlib.abc, json, sys
-    class BlockProject(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in {"modeling_fiber_bundle", "conversion", "training"}:
-                raise ImportError(f"{name} must not be importable here")
-    sys.meta_path.insert(0, BlockProject())
-    try:
-        import modeling_fiber_bundle  # noqa: F401
-        raise SystemExit("the project is importable: the test would prove nothing")
-    except ImportError:
-        pass
-
+    import json, sys
     import torch
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, pipeline
     folder, ids_path, out_path = sys.argv[1:4]
@@ -106,16 +93,7 @@ def test_fresh_process_loads_with_trust_remote_code(saved_folder, tmp_path):
     folder, model = saved_folder
     ids = random_ids(2, 9, vocab=model.config.vocab_size)
     torch.save(ids, tmp_path / "ids.pt")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
-    env.update(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"), PYTHONNOUSERSITE="1")
-    result = subprocess.run(
-        [sys.executable, "-c", CHILD, str(folder), str(tmp_path / "ids.pt"), str(tmp_path / "out.pt")],
-        cwd=tmp_path,  # not the repository root, so the project is not on sys.path through the cwd either
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    result = run_without_project(CHILD, folder, tmp_path / "ids.pt", tmp_path / "out.pt", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
     info = json.loads(result.stdout.strip().splitlines()[-1])
     assert info["model_class"] == "FiberBundleForCausalLM"
@@ -144,12 +122,9 @@ def test_resaving_a_remote_code_model_keeps_it_loadable(saved_folder, tmp_path):
         model.save_pretrained(sys.argv[2])
         """
     )
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home")}
     resaved = tmp_path / "resaved"
-    subprocess.run(
-        [sys.executable, "-c", CHILD.split("import torch")[0] + script, str(folder), str(resaved)],
-        cwd=tmp_path, env=env, check=True, capture_output=True, timeout=600,
-    )
+    result = run_without_project(script, folder, resaved, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
     config = json.loads((resaved / "config.json").read_text())
     assert set(config["auto_map"]) == {"AutoConfig", "AutoModel", "AutoModelForCausalLM"}
     assert sorted(p.name for p in Path(resaved).glob("*.py")) == [

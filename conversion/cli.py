@@ -1,0 +1,70 @@
+"""The ``fiber-bundle`` command line: thin argument parsing over the library functions."""
+
+import argparse
+import json
+import sys
+
+
+def _convert(args) -> int:
+    from .convert import ConversionError, convert_checkpoint
+
+    try:
+        result = convert_checkpoint(
+            args.source,
+            args.output,
+            metric_rank=args.metric_rank,
+            metric_hidden=args.metric_hidden,
+            ffn_metric_rank=args.ffn_metric_rank,
+            gguf_file=args.gguf_file,
+            dtype=args.dtype,
+            max_shard_size=args.max_shard_size,
+            overwrite=args.overwrite,
+            allow_pickle=args.allow_pickle,
+            seed=args.seed,
+            verify=not args.no_verify,
+        )
+    except ConversionError as error:
+        print(f"fiber-bundle convert: error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("fiber-bundle convert: interrupted; nothing was written to OUTPUT.", file=sys.stderr)
+        return 130
+    print(f"converted {args.source} ({result.source_family}) -> {result.output} in {result.seconds:.1f} s")
+    if result.report is not None:
+        print(json.dumps(result.report, indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fiber-bundle", description="Fiber Bundle Transformers tools.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    convert = commands.add_parser(
+        "convert", help="graft per-token metrics onto a LLaMA / Mistral / Qwen2 / Qwen3 checkpoint",
+        description="Convert SOURCE into a Fiber Bundle Hub folder at OUTPUT that reproduces the source exactly.",
+    )
+    convert.add_argument("source", help="a checkpoint folder, a Hub model id (OWNER/NAME) or a .gguf file")
+    convert.add_argument("output", help="the folder to write (must be absent or empty unless --overwrite)")
+    convert.add_argument("--metric-rank", type=int, default=2, help="rank r of each token's attention metric")
+    convert.add_argument("--metric-hidden", type=int, default=64, help="width m of the fibre code")
+    convert.add_argument("--ffn-metric-rank", type=int, default=None,
+                         help="rank of the MLP preconditioner (default: --metric-rank; 0 turns it off)")
+    convert.add_argument("--gguf-file", default=None, help="GGUF file name inside SOURCE (a folder or Hub repo)")
+    convert.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                         help="dtype of the written weights (default: the source's)")
+    convert.add_argument("--max-shard-size", default="2GB", help="largest output shard, e.g. 500MB or 2GB")
+    convert.add_argument("--overwrite", action="store_true", help="replace a non-empty OUTPUT")
+    convert.add_argument("--allow-pickle", action="store_true",
+                         help="accept pickled .bin weights (loaded with torch.load(weights_only=True))")
+    convert.add_argument("--seed", type=int, default=0, help="seed of the new parameters' initialisation")
+    convert.add_argument("--no-verify", action="store_true", help="skip the parity check against the source")
+    convert.set_defaults(handler=_convert)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""Parity of a converted folder with its source (DESIGN.md section 2), kept apart from the weight transform.
+
+The bound: max |logits difference| <= max(1e-4, 2 x the source's own eager-versus-sdpa difference on the same text),
+which is the floor any re-implemented attention sits on; greedy generations must be identical.
+"""
+
+import resource
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from modeling_fiber_bundle import FiberBundleForCausalLM
+
+CALIBRATION_TOKENS = 384
+GREEDY_TOKENS = 32
+
+
+def calibration_text() -> str:
+    """Real English text that every Python ships: the standard library's pydoc topics."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[key] for key in sorted(topics))
+
+
+def _load_source(src, attn_implementation):
+    kwargs = dict(dtype=torch.float32, attn_implementation=attn_implementation)
+    if src.gguf is not None:
+        folder, filename = src.gguf
+        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, **kwargs).eval()
+    return AutoModelForCausalLM.from_pretrained(src.folder, **kwargs).eval()
+
+
+def _calibration_ids(folder, vocab_size: int) -> torch.Tensor:
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        ids = tokenizer(calibration_text()[:20000], return_tensors="pt").input_ids[:, :CALIBRATION_TOKENS]
+        if ids.shape[1] >= 32:
+            return ids
+    except (OSError, ValueError, TypeError):  # a checkpoint without a usable tokenizer (tiny test models)
+        pass
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(0, vocab_size, (1, CALIBRATION_TOKENS), generator=generator)
+
+
+def verify_conversion(src, folder, seconds: float) -> dict:
+    """Run source and converted model on calibration text; return the conversion report (a JSON-able dict)."""
+    converted = FiberBundleForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = _calibration_ids(folder, converted.config.vocab_size)
+    with torch.no_grad():
+        got = converted(ids).logits
+        sdpa_model = _load_source(src, "sdpa")
+        sdpa = sdpa_model(ids).logits
+        del sdpa_model
+        eager_model = _load_source(src, "eager")
+        eager = eager_model(ids).logits
+    floor = (eager - sdpa).abs().max().item()
+    diff = (got - sdpa).abs().max().item()
+    bound = max(1e-4, 2 * floor)
+    prompt = ids[:, :16]
+    args = dict(max_new_tokens=GREEDY_TOKENS, min_new_tokens=GREEDY_TOKENS, do_sample=False)
+    source_tokens = eager_model.generate(prompt, **args)[0, 16:].tolist()
+    converted_tokens = converted.generate(prompt, **args)[0, 16:].tolist()
+    agreement = sum(a == b for a, b in zip(source_tokens, converted_tokens)) / len(source_tokens)
+    geometry = sum(p.numel() for p in converted.geometry_parameters())
+    backbone = converted.num_parameters() - geometry
+    passed = diff <= bound and source_tokens == converted_tokens
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1024 if sys.platform != "darwin" else 1024**2)
+    return {
+        "parity": {
+            "passed": passed,
+            "max_abs_logit_diff": diff,
+            "source_eager_vs_sdpa": floor,
+            "bound": bound,
+            "calibration_tokens": int(ids.shape[1]),
+            "greedy_tokens": GREEDY_TOKENS,
+            "greedy_agreement": agreement,
+            "summary": f"max |dlogits| {diff:.3g} (bound {bound:.3g}), greedy agreement {agreement:.0%} over "
+                       f"{GREEDY_TOKENS} tokens",
+        },
+        "parameters": {"backbone": backbone, "geometry": geometry, "overhead_percent": 100 * geometry / backbone},
+        "conversion_seconds": seconds,
+        "peak_memory_mib": peak,
+        "metric_rank": converted.config.metric_rank,
+        "ffn_metric_rank": converted.config.ffn_metric_rank,
+    }

@@ -1,0 +1,276 @@
+"""fiber-bundle convert: parity with the source, Hub-folder contents, streaming, and every failure leaving no OUTPUT."""
+
+import json
+import weakref
+
+import pytest
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from conftest import random_ids, run_without_project
+from fiber_bundle.conversion import ConversionError, convert_checkpoint
+from fiber_bundle.conversion import convert as engine
+from fiber_bundle.conversion.cli import main as cli_main
+from modeling_fiber_bundle import FiberBundleForCausalLM
+
+TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
+SOURCES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {}),
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 6}),
+}
+
+
+def save_source(folder, family, tie=False, dtype=torch.float32, shard="30KB", seed=0):
+    config_cls, model_cls, extra = SOURCES[family]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**TINY, tie_word_embeddings=tie, **extra)).to(dtype).eval()
+    model.save_pretrained(folder, max_shard_size=shard)
+    return model
+
+
+def padded_batch():
+    ids = random_ids(2, 12, seed=3)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize("family", list(SOURCES))
+def test_sharded_conversion_reproduces_the_source(tmp_path, family, tie):
+    source = save_source(tmp_path / "src", family, tie=tie)
+    assert len(list((tmp_path / "src").glob("*.safetensors"))) > 1  # the source really is sharded
+    result = convert_checkpoint(tmp_path / "src", tmp_path / "out", max_shard_size="40KB")
+    out = tmp_path / "out"
+    report = json.loads((out / "conversion_report.json").read_text())
+    assert report["parity"]["passed"] and report["parity"]["greedy_agreement"] == 1.0
+    assert report["parity"]["max_abs_logit_diff"] <= report["parity"]["bound"]
+    assert (out / "model.safetensors.index.json").is_file() and len(list(out.glob("model-*.safetensors"))) > 1
+
+    converted = FiberBundleForCausalLM.from_pretrained(out).eval()
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "fiber_bundle" and config["architectures"] == ["FiberBundleForCausalLM"]
+    for field in ("tie_word_embeddings", "rope_parameters", "head_dim", "rms_norm_eps", "vocab_size"):
+        assert getattr(converted.config, field) == getattr(source.config, field), field
+    if family == "mistral":
+        assert converted.config.layer_types == ["sliding_attention"] * 2 and converted.config.sliding_window == 6
+    ids, mask = padded_batch()
+    with torch.no_grad():
+        expected, got = source(ids, attention_mask=mask).logits, converted(ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(got[real], expected[real], rtol=0, atol=1e-5)
+    args = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
+    assert torch.equal(converted.generate(ids[:1], **args), source.generate(ids[:1], **args))
+    assert result.source_family == family
+
+
+def test_converted_folder_loads_without_the_project_and_learns(tmp_path):
+    source = save_source(tmp_path / "src", "qwen3")
+    convert_checkpoint(tmp_path / "src", tmp_path / "out", verify=False)
+    ids = random_ids(1, 10)
+    torch.save(ids, tmp_path / "ids.pt")
+    script = """
+        import torch
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)
+        torch.save(model(torch.load(sys.argv[2])).logits, sys.argv[3])
+    """
+    result = run_without_project(script, tmp_path / "out", tmp_path / "ids.pt", tmp_path / "logits.pt", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with torch.no_grad():
+        torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), source(ids).logits, rtol=0, atol=1e-5)
+
+    model = FiberBundleForCausalLM.from_pretrained(tmp_path / "out").train()  # the graft is trainable
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for p in model.geometry_parameters():
+        p.requires_grad_(True)
+    with torch.no_grad():
+        before = model(ids).logits
+    model(ids, labels=ids).loss.backward()
+    torch.optim.AdamW(model.geometry_parameters(), lr=1e-2).step()
+    with torch.no_grad():
+        assert (model(ids).logits - before).abs().max() > 1e-5
+
+
+def test_dtype_is_kept_unless_asked(tmp_path):
+    save_source(tmp_path / "src", "llama", dtype=torch.bfloat16)
+    convert_checkpoint(tmp_path / "src", tmp_path / "bf16", verify=False)
+    loaded = FiberBundleForCausalLM.from_pretrained(tmp_path / "bf16")
+    assert loaded.dtype == torch.bfloat16 and loaded.model.layers[0].fiber.attn_gate.dtype == torch.bfloat16
+    convert_checkpoint(tmp_path / "src", tmp_path / "fp32", dtype="float32", verify=False)
+    assert FiberBundleForCausalLM.from_pretrained(tmp_path / "fp32").dtype == torch.float32
+
+
+def test_tokenizer_and_generation_config_are_copied(tmp_path):
+    save_source(tmp_path / "src", "llama")
+    (tmp_path / "src" / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    convert_checkpoint(tmp_path / "src", tmp_path / "out", verify=False)
+    for name in ("generation_config.json", "chat_template.jinja"):
+        assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "src" / name).read_bytes()
+
+
+def test_sharded_conversion_holds_one_shard_at_a_time(tmp_path, monkeypatch):
+    """The source tensors alive at once stay near one output shard: shards are streamed, never all loaded."""
+    save_source(tmp_path / "src", "qwen2", shard="20KB")
+    shards = sorted((tmp_path / "src").glob("*.safetensors"))
+    total = sum(p.stat().st_size for p in shards)
+    alive, peak = {}, [0]
+    reader = engine._safetensors_reader
+
+    def tracking_reader(path):
+        read = reader(path)
+
+        def wrapped():
+            for name, tensor in read():
+                key = id(tensor)
+                alive[key] = tensor.numel() * tensor.element_size()
+                weakref.finalize(tensor, alive.pop, key, None)
+                peak[0] = max(peak[0], sum(alive.values()))
+                yield name, tensor
+
+        return wrapped
+
+    monkeypatch.setattr(engine, "_safetensors_reader", tracking_reader)
+    convert_checkpoint(tmp_path / "src", tmp_path / "out", max_shard_size="20KB", verify=False)
+    assert len(shards) >= 4
+    # one output shard being filled, the tensor that closes it and the one in hand: never the whole checkpoint
+    assert peak[0] <= 20_000 + 2 * max(p.stat().st_size for p in shards)
+    assert peak[0] < total / 2
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# failures: a clear message and no OUTPUT (nor a staging folder) left behind
+# ---------------------------------------------------------------------------------------------------------------------
+def assert_nothing_written(tmp_path, output="out"):
+    assert not (tmp_path / output).exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(f".{output}.")]
+
+
+def test_unsupported_architecture_is_refused(tmp_path):
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)).save_pretrained(tmp_path / "src")
+    with pytest.raises(ConversionError, match=r"GPT2LMHeadModel.*Supported: LlamaForCausalLM"):
+        convert_checkpoint(tmp_path / "src", tmp_path / "out")
+    assert_nothing_written(tmp_path)
+
+
+def test_existing_output_is_refused_without_overwrite(tmp_path):
+    save_source(tmp_path / "src", "llama")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    with pytest.raises(ConversionError, match="--overwrite"):
+        convert_checkpoint(tmp_path / "src", tmp_path / "out", verify=False)
+    assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+    convert_checkpoint(tmp_path / "src", tmp_path / "out", verify=False, overwrite=True)
+    assert not (tmp_path / "out" / "keep.txt").exists() and (tmp_path / "out" / "config.json").exists()
+
+
+def test_truncated_shard_fails_cleanly(tmp_path):
+    save_source(tmp_path / "src", "llama")
+    shard = sorted((tmp_path / "src").glob("model-*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with pytest.raises(ConversionError, match="corrupt or truncated"):
+        convert_checkpoint(tmp_path / "src", tmp_path / "out", verify=False)
+    assert_nothing_written(tmp_path)
+
+
+def test_shape_mismatch_fails_cleanly(tmp_path):
+    save_source(tmp_path / "src", "llama")
+    config = json.loads((tmp_path / "src" / "config.json").read_text())
+    config["intermediate_size"] = 128  # the weights say 96
+    (tmp_path / "src" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConversionError, match=r"shape mismatch for model.layers.0.mlp.\w+_proj.weight: the source has"):
+        convert_checkpoint(tmp_path / "src", tmp_path / "out", verify=False)
+    assert_nothing_written(tmp_path)
+
+
+def test_missing_tensor_fails_cleanly(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    save_source(tmp_path / "src", "llama", shard="10GB")
+    path = tmp_path / "src" / "model.safetensors"
+    tensors = load_file(path)
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ConversionError, match="lacks 1 tensor.*model.layers.1.mlp.up_proj.weight"):
+        convert_checkpoint(tmp_path / "src", tmp_path / "out", verify=False)
+    assert_nothing_written(tmp_path)
+
+
+def test_unmapped_tensor_fails_cleanly(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    save_source(tmp_path / "src", "llama", shard="10GB")
+    path = tmp_path / "src" / "model.safetensors"
+    tensors = load_file(path)
+    tensors["model.layers.0.self_attn.mystery.weight"] = torch.zeros(3)
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ConversionError, match="unmapped tensor 'model.layers.0.self_attn.mystery.weight'"):
+        convert_checkpoint(tmp_path / "src", tmp_path / "out", verify=False)
+    assert_nothing_written(tmp_path)
+
+
+def test_interrupt_leaves_nothing(tmp_path, monkeypatch):
+    save_source(tmp_path / "src", "llama")
+    calls = []
+
+    def interrupted(self):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # Ctrl-C in the middle of writing shards
+
+    original = engine.ShardWriter.flush
+    monkeypatch.setattr(engine.ShardWriter, "flush", lambda self: (interrupted(self), original(self)))
+    with pytest.raises(KeyboardInterrupt):
+        convert_checkpoint(tmp_path / "src", tmp_path / "out", max_shard_size="20KB", verify=False)
+    assert_nothing_written(tmp_path)
+
+
+def test_disk_full_leaves_nothing(tmp_path, monkeypatch):
+    save_source(tmp_path / "src", "llama")
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(engine, "save_file", full)
+    with pytest.raises(OSError, match="No space left"):
+        convert_checkpoint(tmp_path / "src", tmp_path / "out", verify=False)
+    assert_nothing_written(tmp_path)
+
+
+def test_pickled_weights_need_allow_pickle(tmp_path):
+    source = save_source(tmp_path / "src", "llama", shard="10GB")
+    (tmp_path / "src" / "model.safetensors").unlink()
+    torch.save(source.state_dict(), tmp_path / "src" / "pytorch_model.bin")
+    with pytest.raises(ConversionError, match="--allow-pickle"):
+        convert_checkpoint(tmp_path / "src", tmp_path / "out", verify=False)
+    assert_nothing_written(tmp_path)
+    convert_checkpoint(tmp_path / "src", tmp_path / "out", allow_pickle=True)
+    assert json.loads((tmp_path / "out" / "conversion_report.json").read_text())["parity"]["passed"]
+
+
+def test_cli_reports_errors_and_exit_codes(tmp_path, capsys):
+    save_source(tmp_path / "src", "llama")
+    assert cli_main(["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--metric-rank", "1"]) == 0
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["metric_rank"] == 1
+    assert cli_main(["convert", str(tmp_path / "src"), str(tmp_path / "out")]) == 1
+    assert "exists and is not empty" in capsys.readouterr().err
+    assert cli_main(["convert", str(tmp_path / "nowhere"), str(tmp_path / "o2")]) == 1
+    assert "neither an existing folder nor a Hub model id" in capsys.readouterr().err
+    assert cli_main(["convert", str(tmp_path / "src"), str(tmp_path / "o3"), "--metric-rank", "99"]) == 1
+    assert "metric_rank" in capsys.readouterr().err
+    assert_nothing_written(tmp_path, "o3")
