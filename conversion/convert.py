@@ -290,6 +290,8 @@ def convert_checkpoint(
     allow_pickle: bool = False,
     seed: int = 0,
     verify: bool = True,
+    base_model: str | None = None,
+    license: str | None = None,
 ) -> ConversionResult:
     """Convert SOURCE into a Fiber Bundle Hub folder at OUTPUT.
 
@@ -303,6 +305,8 @@ def convert_checkpoint(
         allow_pickle: accept pickled .bin weights (loaded with ``weights_only=True``).
         seed: seed of the new parameters' initialisation.
         verify: compare the result with the source (``conversion.verify``) and fail on a parity error.
+        base_model, license: the model card's ``base_model`` and ``license``; by default the source's Hub id and the
+            license its model card declares.
     """
     started = time.perf_counter()
     output = Path(output)
@@ -337,6 +341,9 @@ def convert_checkpoint(
             (staging / "conversion_report.json").write_text(json.dumps(report, indent=2) + "\n")
             if not report["parity"]["passed"]:
                 raise ConversionError(f"parity check failed: {report['parity']['summary']}")
+        write_model_card(staging, config=config, source=str(source), family=src.family, report=report,
+                         base_model=base_model or _hub_id(source, src), license=license or _source_license(src),
+                         model_name=output.name)
         _replace(staging, output)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)  # nothing half-written is left behind, whatever happened
@@ -406,6 +413,64 @@ def _copy_tokenizer(src: Source, folder: Path):
     for name in TOKENIZER_FILES:
         if src.folder is not None and (src.folder / name).is_file():
             shutil.copyfile(src.folder / name, folder / name)
+
+
+def _hub_id(source, src: Source) -> str | None:
+    """The source's Hub id, when it came from the Hub (or names one in its config)."""
+    for candidate in (str(source), str(getattr(src.config, "_name_or_path", "") or "")):
+        if candidate.count("/") == 1 and not Path(candidate).exists() and not candidate.startswith((".", "/")):
+            return candidate
+    return None
+
+
+def _source_license(src: Source) -> str | None:
+    card = src.folder / "README.md" if src.folder is not None else None
+    if card is None or not card.is_file():
+        return None
+    from huggingface_hub import ModelCard
+
+    return ModelCard.load(card).data.license
+
+
+def write_model_card(folder: Path, *, config, source: str, family: str, report: dict | None,
+                     base_model: str | None, license: str | None, model_name: str, repo_id: str | None = None):
+    """Render README.md from the template in ``model_cards/`` with huggingface_hub's ModelCard."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    from fiber_bundle.model_cards import template_path
+
+    data = ModelCardData(
+        base_model=base_model, library_name="transformers", pipeline_tag="text-generation", license=license,
+        tags=["fiber-bundle", "riemannian-attention", "custom_code", family],
+    )
+    parity = "not checked (--no-verify)"
+    geometry = overhead = "see config.json"
+    if report is not None:
+        p = report["parity"]
+        parity = (f"max abs logit difference {p['max_abs_logit_diff']:.2e} (bound {p['bound']:.2e}) on "
+                  f"{p['calibration_tokens']} tokens; greedy agreement {p['greedy_agreement']:.0%} over "
+                  f"{p['greedy_tokens']} tokens")
+        geometry = f"{report['parameters']['geometry']:,}"
+        overhead = f"{report['parameters']['overhead_percent']:.2f}%"
+    card = ModelCard.from_template(
+        data,
+        template_path=template_path(),
+        model_name=model_name,
+        base_model=base_model or source,
+        base_model_url=f"https://huggingface.co/{base_model}" if base_model else "#conversion",
+        repo_id=repo_id or "OWNER/NAME",
+        metric_rank=config.metric_rank,
+        ffn_metric_rank=config.ffn_metric_rank,
+        metric_hidden=config.metric_hidden,
+        source=source,
+        source_architecture=family,
+        geometry_parameters=geometry,
+        overhead=overhead,
+        parity=parity,
+        transformers_range=">=5.24,<6",
+        torch_version=torch.__version__.split("+")[0],
+    )
+    card.save(folder / "README.md")
 
 
 def _replace(staging: Path, output: Path):

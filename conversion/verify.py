@@ -33,7 +33,7 @@ def _load_source(src, attn_implementation):
 
 def _calibration_ids(folder, vocab_size: int) -> torch.Tensor:
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)  # our own folder
         ids = tokenizer(calibration_text()[:20000], return_tensors="pt").input_ids[:, :CALIBRATION_TOKENS]
         if ids.shape[1] >= 32:
             return ids

