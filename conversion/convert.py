@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig
+from tqdm.auto import tqdm
 from transformers.dynamic_module_utils import get_relative_import_files
 
 from modeling_fiber_bundle import FiberBundleConfig, FiberBundleForCausalLM
@@ -290,6 +292,7 @@ def convert_checkpoint(
     allow_pickle: bool = False,
     seed: int = 0,
     verify: bool = True,
+    show_progress: bool = True,
     base_model: str | None = None,
     license: str | None = None,
 ) -> ConversionResult:
@@ -304,7 +307,9 @@ def convert_checkpoint(
         max_shard_size: largest output shard, e.g. "500MB".
         allow_pickle: accept pickled .bin weights (loaded with ``weights_only=True``).
         seed: seed of the new parameters' initialisation.
-        verify: compare the result with the source (``conversion.verify``) and fail on a parity error.
+        verify: compare the result with the source (``conversion.verify``) and fail on a parity error; skipped
+            (with a message) when source and result would not fit in memory together.
+        show_progress: a progress bar over source shards (with the tensor being converted).
         base_model, license: the model card's ``base_model`` and ``license``; by default the source's Hub id and the
             license its model card declares.
     """
@@ -332,8 +337,13 @@ def convert_checkpoint(
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     try:
-        _write_folder(src, config, staging, max_bytes, target_dtype, seed)
+        _write_folder(src, config, staging, max_bytes, target_dtype, seed, show_progress)
         report = None
+        fp32_bytes = 4 * sum(src.shard_bytes) // _bytes_per_value(src)  # the backbone in float32
+        if verify and 3 * fp32_bytes > _available_memory():  # source (eager + sdpa, in turn) and result together
+            print(f"skipping verification: source and result need about {3 * fp32_bytes / 2**30:.1f} GiB in float32, "
+                  "more than this machine has available", file=sys.stderr)
+            verify = False
         if verify:
             from .verify import verify_conversion
 
@@ -351,7 +361,8 @@ def convert_checkpoint(
     return ConversionResult(output, config, src.family, time.perf_counter() - started, report)
 
 
-def _write_folder(src: Source, config: FiberBundleConfig, folder: Path, max_bytes: int, dtype, seed: int):
+def _write_folder(src: Source, config: FiberBundleConfig, folder: Path, max_bytes: int, dtype, seed: int,
+                  show_progress: bool = True):
     table, shapes = WEIGHT_MAPS[src.family], expected_shapes(config)
     writer, written = ShardWriter(folder, max_bytes), set()
 
@@ -367,9 +378,11 @@ def _write_folder(src: Source, config: FiberBundleConfig, folder: Path, max_byte
         writer.add(name, tensor.to(dtype) if dtype is not None else tensor)
         written.add(name)
 
+    progress = tqdm(total=len(src.shards), unit="shard", desc="converting", disable=not show_progress)
     for read in src.shards:
         try:
             for name, tensor in read():
+                progress.set_postfix_str(name, refresh=False)
                 known, target = _map_name(name, table)
                 if not known:
                     raise ConversionError(f"unmapped tensor {name!r} in a {src.family} checkpoint: the weight map "
@@ -384,6 +397,8 @@ def _write_folder(src: Source, config: FiberBundleConfig, folder: Path, max_byte
             raise ConversionError(f"could not read a source shard ({type(error).__name__}: {error}); the file is "
                                   "corrupt or truncated, download it again.") from error
         gc.collect()
+        progress.update(1)
+    progress.close()
     new_dtype = dtype or _source_dtype(config)
     for name, tensor in new_parameters(config, seed).items():
         emit(name, tensor.to(new_dtype))
@@ -395,6 +410,18 @@ def _write_folder(src: Source, config: FiberBundleConfig, folder: Path, max_byte
     config.save_pretrained(folder)
     _write_modeling_files(folder)
     _copy_tokenizer(src, folder)
+
+
+def _bytes_per_value(src: Source) -> int:
+    dtype = getattr(src.config, "dtype", None)
+    return torch.finfo(dtype).bits // 8 if isinstance(dtype, torch.dtype) and dtype.is_floating_point else 4
+
+
+def _available_memory() -> int:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system: do not block verification
+        return 1 << 62
 
 
 def _source_dtype(config) -> torch.dtype:

@@ -274,3 +274,30 @@ def test_cli_reports_errors_and_exit_codes(tmp_path, capsys):
     assert cli_main(["convert", str(tmp_path / "src"), str(tmp_path / "o3"), "--metric-rank", "99"]) == 1
     assert "metric_rank" in capsys.readouterr().err
     assert_nothing_written(tmp_path, "o3")
+
+
+def test_hub_id_source_goes_through_the_hub_cache(tmp_path, monkeypatch):
+    """A Hub id is fetched with huggingface_hub.snapshot_download (which serves a cached copy offline)."""
+    import huggingface_hub
+
+    save_source(tmp_path / "cache" / "snapshot", "qwen3")
+    calls = []
+
+    def fake_snapshot_download(repo_id, allow_patterns=None, **kwargs):
+        calls.append((repo_id, allow_patterns))
+        return str(tmp_path / "cache" / "snapshot")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    convert_checkpoint("someone/tiny-qwen3", tmp_path / "out")
+    assert calls and calls[0][0] == "someone/tiny-qwen3" and "*.safetensors" in calls[0][1]
+    from huggingface_hub import ModelCard
+
+    assert ModelCard.load(tmp_path / "out" / "README.md").data.base_model == "someone/tiny-qwen3"
+
+    def offline(repo_id, **kwargs):
+        raise huggingface_hub.errors.LocalEntryNotFoundError("offline and not cached")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(ConversionError, match="could not fetch someone/other.*HF_TOKEN"):
+        convert_checkpoint("someone/other", tmp_path / "out2")
+    assert_nothing_written(tmp_path, "out2")

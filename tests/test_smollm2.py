@@ -49,6 +49,16 @@ def test_gguf_conversion_has_parity_and_a_card(converted):
         (converted / "tokenizer_config.json").read_text())
 
 
+def test_chat_template_output_is_the_sources_byte_for_byte(gguf, converted):
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    source = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    ours = AutoTokenizer.from_pretrained(converted, trust_remote_code=True)
+    expected = source.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == expected
+
+
 def test_safetensors_folder_conversion_has_parity(gguf, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
