@@ -96,3 +96,19 @@ def run_without_project(script: str, *args, cwd, timeout=600) -> subprocess.Comp
     env.update(HF_HUB_OFFLINE="1", HF_HOME=str(cwd / "hf_home"), PYTHONNOUSERSITE="1")
     return subprocess.run([sys.executable, "-c", BLOCK_PROJECT + textwrap.dedent(script), *map(str, args)],
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def geometry_step_change(model, ids, lr=1e-2) -> float:
+    """Freeze the backbone, take one AdamW step on the geometry parameters alone, return max |change of logits|."""
+    model.train()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    geometry = model.geometry_parameters()
+    for p in geometry:
+        p.requires_grad_(True)
+    with torch.no_grad():
+        before = model(ids).logits
+    model(ids, labels=ids).loss.backward()
+    torch.optim.AdamW(geometry, lr=lr).step()
+    with torch.no_grad():
+        return (model(ids).logits - before).abs().max().item()
