@@ -1,7 +1,6 @@
 """The ``fiber-bundle`` command line: thin argument parsing over the library functions."""
 
 import argparse
-import json
 import sys
 
 
@@ -22,6 +21,8 @@ def _convert(args) -> int:
             allow_pickle=args.allow_pickle,
             seed=args.seed,
             verify=not args.no_verify,
+            base_model=args.base_model,
+            license=args.license,
         )
     except ConversionError as error:
         print(f"fiber-bundle convert: error: {error}", file=sys.stderr)
@@ -30,8 +31,14 @@ def _convert(args) -> int:
         print("fiber-bundle convert: interrupted; nothing was written to OUTPUT.", file=sys.stderr)
         return 130
     print(f"converted {args.source} ({result.source_family}) -> {result.output} in {result.seconds:.1f} s")
-    if result.report is not None:
-        print(json.dumps(result.report, indent=2))
+    report = result.report
+    if report is None:
+        print("  parity: not checked (--no-verify)")
+        return 0
+    parity, params = report["parity"], report["parameters"]
+    print(f"  parity: {parity['summary']} -> {'passed' if parity['passed'] else 'FAILED'}")
+    print(f"  new parameters: {params['geometry']:,} ({params['overhead_percent']:.2f}% of {params['backbone']:,})")
+    print(f"  peak memory: {report['peak_memory_mib']:.0f} MiB; full report: {result.output / 'conversion_report.json'}")
     return 0
 
 
@@ -57,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="accept pickled .bin weights (loaded with torch.load(weights_only=True))")
     convert.add_argument("--seed", type=int, default=0, help="seed of the new parameters' initialisation")
     convert.add_argument("--no-verify", action="store_true", help="skip the parity check against the source")
+    convert.add_argument("--base-model", default=None,
+                         help="Hub id of the source for the model card (default: SOURCE when it is a Hub id)")
+    convert.add_argument("--license", default=None,
+                         help="license for the model card (default: the one the source's model card declares)")
     convert.set_defaults(handler=_convert)
     return parser
 

@@ -47,19 +47,18 @@ def verify_conversion(src, folder, seconds: float) -> dict:
     """Run source and converted model on calibration text; return the conversion report (a JSON-able dict)."""
     converted = FiberBundleForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     ids = _calibration_ids(folder, converted.config.vocab_size)
+    source = _load_source(src, "sdpa")  # loaded once; its eager run switches the attention implementation in place
     with torch.no_grad():
         got = converted(ids).logits
-        sdpa_model = _load_source(src, "sdpa")
-        sdpa = sdpa_model(ids).logits
-        del sdpa_model
-        eager_model = _load_source(src, "eager")
-        eager = eager_model(ids).logits
+        sdpa = source(ids).logits
+        source.set_attn_implementation("eager")
+        eager = source(ids).logits
     floor = (eager - sdpa).abs().max().item()
     diff = (got - sdpa).abs().max().item()
     bound = max(1e-4, 2 * floor)
     prompt = ids[:, :16]
     args = dict(max_new_tokens=GREEDY_TOKENS, min_new_tokens=GREEDY_TOKENS, do_sample=False)
-    source_tokens = eager_model.generate(prompt, **args)[0, 16:].tolist()
+    source_tokens = source.generate(prompt, **args)[0, 16:].tolist()
     converted_tokens = converted.generate(prompt, **args)[0, 16:].tolist()
     agreement = sum(a == b for a, b in zip(source_tokens, converted_tokens)) / len(source_tokens)
     geometry = sum(p.numel() for p in converted.geometry_parameters())
