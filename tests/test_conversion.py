@@ -291,3 +291,25 @@ def test_hub_id_source_goes_through_the_hub_cache(tmp_path, monkeypatch):
     with pytest.raises(ConversionError, match="could not fetch someone/other.*HF_TOKEN"):
         convert_checkpoint("someone/other", tmp_path / "out2")
     assert_nothing_written(tmp_path, "out2")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_full_size_key_lists_map_on_the_meta_device(family):
+    """An 8B-class checkpoint's every tensor name and shape maps onto the converted model (no memory needed)."""
+    from fiber_bundle.conversion.weight_maps import WEIGHT_MAPS
+
+    config_cls, model_cls, _ = SOURCES[family]
+    config = config_cls(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192)
+    config.architectures = [model_cls.__name__]
+    with torch.device("meta"):
+        source = model_cls(config)
+    fiber_config = engine.fiber_config_from_source(config, family, metric_rank=2, metric_hidden=64, ffn_metric_rank=2)
+    shapes = engine.expected_shapes(fiber_config)
+    targets = set()
+    for name, tensor in source.state_dict().items():
+        known, target = engine._map_name(name, WEIGHT_MAPS[family])
+        assert known and target is not None, name
+        assert shapes[target] == tensor.shape, name
+        targets.add(target)
+    assert set(shapes) - targets == {n for n in shapes if ".fiber." in n}  # only the new geometry is added
