@@ -177,11 +177,15 @@ def fiber_config_from_source(source_config, family: str, **geometry) -> FiberBun
     return FiberBundleConfig(**fields, **geometry, dtype=dtype, architectures=["FiberBundleForCausalLM"])
 
 
-def new_parameters(config: FiberBundleConfig, seed: int) -> dict[str, torch.Tensor]:
+def meta_model(config: FiberBundleConfig) -> FiberBundleForCausalLM:
+    """The converted model's structure, without memory: names and shapes of every tensor."""
+    with torch.device("meta"):
+        return FiberBundleForCausalLM(config)
+
+
+def new_parameters(model: FiberBundleForCausalLM, seed: int) -> dict[str, torch.Tensor]:
     """The ``fiber`` parameters of every layer at their graft values, initialised by the model's own _init_weights."""
     torch.manual_seed(seed)
-    with torch.device("meta"):
-        model = FiberBundleForCausalLM(config)
     tensors = {}
     for i, layer in enumerate(model.model.layers):
         fiber = getattr(layer, "fiber", None)
@@ -194,11 +198,9 @@ def new_parameters(config: FiberBundleConfig, seed: int) -> dict[str, torch.Tens
     return tensors
 
 
-def expected_shapes(config: FiberBundleConfig) -> dict[str, torch.Size]:
-    with torch.device("meta"):
-        model = FiberBundleForCausalLM(config)
+def expected_shapes(model: FiberBundleForCausalLM) -> dict[str, torch.Size]:
     shapes = {name: p.shape for name, p in model.state_dict().items()}
-    if config.tie_word_embeddings:
+    if model.config.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)  # tied: stored once, as the embedding
     return shapes
 
@@ -363,7 +365,8 @@ def convert_checkpoint(
 
 def _write_folder(src: Source, config: FiberBundleConfig, folder: Path, max_bytes: int, dtype, seed: int,
                   show_progress: bool = True):
-    table, shapes = WEIGHT_MAPS[src.family], expected_shapes(config)
+    structure = meta_model(config)
+    table, shapes = WEIGHT_MAPS[src.family], expected_shapes(structure)
     writer, written = ShardWriter(folder, max_bytes), set()
 
     def emit(name, tensor):
@@ -400,7 +403,7 @@ def _write_folder(src: Source, config: FiberBundleConfig, folder: Path, max_byte
         progress.update(1)
     progress.close()
     new_dtype = dtype or _source_dtype(config)
-    for name, tensor in new_parameters(config, seed).items():
+    for name, tensor in new_parameters(structure, seed).items():
         emit(name, tensor.to(new_dtype))
     missing = sorted(set(shapes) - written)
     if missing:

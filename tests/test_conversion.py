@@ -305,7 +305,7 @@ def test_full_size_key_lists_map_on_the_meta_device(family):
     with torch.device("meta"):
         source = model_cls(config)
     fiber_config = engine.fiber_config_from_source(config, family, metric_rank=2, metric_hidden=64, ffn_metric_rank=2)
-    shapes = engine.expected_shapes(fiber_config)
+    shapes = engine.expected_shapes(engine.meta_model(fiber_config))
     targets = set()
     for name, tensor in source.state_dict().items():
         known, target = engine._map_name(name, WEIGHT_MAPS[family])
