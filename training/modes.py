@@ -1,0 +1,44 @@
+"""The three ways to train a (converted) Fiber Bundle model.
+
+- ``full``: every parameter trains.
+- ``metric-only``: the backbone is frozen; only each layer's ``fiber`` module (metric generators and gates) trains.
+  The cheap way to learn geometry on a converted model, which starts as its source.
+- ``lora``: PEFT LoRA on the attention and MLP projections, with the ``fiber`` modules trained alongside
+  (``modules_to_save``). The model_type "fiber_bundle" has no PEFT defaults, so the targets are always explicit.
+"""
+
+import torch
+
+TRAINING_MODES = ("full", "metric-only", "lora")
+# LoRA targets for model_type "fiber_bundle": the backbone's projections (transformers' names are kept).
+LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def prepare_for_training(model, mode: str, *, lora_r: int = 8, lora_alpha: int = 16, lora_dropout: float = 0.0):
+    """Set what trains for ``mode``; returns the model to train (a PeftModel for ``lora``)."""
+    if mode not in TRAINING_MODES:
+        raise ValueError(f"training mode {mode!r} is not one of {TRAINING_MODES}.")
+    if mode == "full":
+        for p in model.parameters():
+            p.requires_grad_(True)
+        return model
+    if mode == "metric-only":
+        geometry = model.geometry_parameters()
+        if not geometry:
+            raise ValueError("metric-only training needs a model with a metric (metric_rank or ffn_metric_rank > 0).")
+        for p in model.parameters():
+            p.requires_grad_(False)
+        for p in geometry:
+            p.requires_grad_(True)
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=LORA_TARGET_MODULES,
+        modules_to_save=["fiber"] if model.geometry_parameters() else None, task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, config)
+
+
+def trainable_parameter_names(model: torch.nn.Module) -> list[str]:
+    return [name for name, p in model.named_parameters() if p.requires_grad]
