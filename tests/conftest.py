@@ -112,3 +112,16 @@ def geometry_step_change(model, ids, lr=1e-2) -> float:
     torch.optim.AdamW(geometry, lr=lr).step()
     with torch.no_grad():
         return (model(ids).logits - before).abs().max().item()
+
+
+def tiny_tokenizer(vocab_size=TINY["vocab_size"]):
+    """A word-level tokenizer over "w3" ... "w{vocab_size-1}" (unknown words become <pad>), with a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
+    return tokenizer

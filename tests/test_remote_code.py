@@ -7,10 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import PreTrainedTokenizerFast
 from transformers.dynamic_module_utils import check_imports, get_imports, get_relative_imports
 
-from conftest import random_ids, run_without_project, set_gates, tiny_model
+from conftest import random_ids, run_without_project, set_gates, tiny_model, tiny_tokenizer
 
 # Run in a child where this project cannot be imported (conftest.run_without_project): load as a Hub user does.
 CHILD = textwrap.dedent(
@@ -41,15 +40,6 @@ CHILD = textwrap.dedent(
     }))
     """
 )
-
-
-def tiny_tokenizer(vocab_size):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
 
 
 @pytest.fixture(scope="module")

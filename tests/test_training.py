@@ -101,3 +101,47 @@ def test_lora_trains_adapters_and_the_fiber_and_round_trips(tmp_path):
 def test_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="training mode 'half'"):
         prepare_for_training(tiny_model(), "half")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# data
+# ---------------------------------------------------------------------------------------------------------------------
+def test_pack_blocks_cuts_the_joined_token_stream(tmp_path):
+    from conftest import tiny_tokenizer
+    from fiber_bundle.training.data import load_source, pack_blocks
+
+    docs = ["w3 w4 w5", "w6 w7", "w8 w9 w10 w11 w12"]
+    (tmp_path / "a.txt").write_text("\n".join(docs) + "\n")
+    tokenizer = tiny_tokenizer()
+    packed = pack_blocks(load_source(tmp_path / "a.txt"), tokenizer, block_size=4)
+    stream = [3, 4, 5, 2, 6, 7, 2, 8, 9, 10, 11, 12, 2]  # each document then EOS
+    assert packed["input_ids"] == [stream[0:4], stream[4:8], stream[8:12]]
+    assert packed["labels"] == packed["input_ids"]
+
+
+def test_sources_by_extension_and_chat_messages(tmp_path):
+    import json
+
+    from conftest import tiny_tokenizer
+    from fiber_bundle.training.data import load_source, pack_blocks
+
+    rows = [{"messages": [{"role": "w3", "content": "w5 w6"}, {"role": "w4", "content": "w7"}]}] * 3
+    (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    packed = pack_blocks(load_source(tmp_path / "chat.jsonl"), tiny_tokenizer(), block_size=5)
+    # rendered "w3 w5 w6 </s> w4 w7 </s> " then EOS, per row: 7 tokens x 3 rows = 21 -> 4 blocks of 5
+    assert packed["input_ids"][0] == [3, 5, 6, 2, 4] and len(packed) == 4
+    Dataset.from_dict({"text": ["w3 w4"] * 4}).to_parquet(tmp_path / "p.parquet")
+    assert load_source(tmp_path / "p.parquet")["text"] == ["w3 w4"] * 4
+    with pytest.raises(ValueError, match="does not exist"):
+        load_source(tmp_path / "missing.jsonl")
+    with pytest.raises(ValueError, match="extensions"):
+        load_source([tmp_path / "chat.jsonl", tmp_path / "p.parquet"])
+
+
+def test_pydoc_topics_split_by_topic():
+    from fiber_bundle.training.data import pydoc_topics
+
+    train, held_out = pydoc_topics(eval_fraction=0.1, seed=0)
+    assert not set(train["topic"]) & set(held_out["topic"])
+    assert len(held_out) >= 1 and len(train) > 5 * len(held_out)
+    assert sum(len(t) for t in list(train["text"]) + list(held_out["text"])) > 400_000  # ~465k characters of English
