@@ -145,3 +145,24 @@ def test_pydoc_topics_split_by_topic():
     assert not set(train["topic"]) & set(held_out["topic"])
     assert len(held_out) >= 1 and len(train) > 5 * len(held_out)
     assert sum(len(t) for t in list(train["text"]) + list(held_out["text"])) > 400_000  # ~465k characters of English
+
+
+def test_geometry_is_logged_with_the_loss(tmp_path):
+    trainer = train_model(tiny_model(dtype=torch.float32), pattern_dataset(), tmp_path, mode="metric-only",
+                          max_steps=3, learning_rate=5e-2, use_cpu=True)
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    first, last = logs[0], logs[-1]
+    for key in ("geometry/curvature", "geometry/torsion", "geometry/anisotropy", "geometry/layer0/alpha",
+                "geometry/layer1/gamma", "geometry/layer1/beta"):
+        assert key in last, key
+    assert last["geometry/layer0/alpha"] != first["geometry/layer0/alpha"]  # the gates move as the metric learns
+    assert last["geometry/torsion"] > 0  # off the graft, the metric twists between tokens
+
+
+def test_geometry_logging_reads_the_trained_copy_under_lora(tmp_path):
+    from fiber_bundle.training.geometry_logging import gate_values
+
+    trainer = train_model(tiny_model(dtype=torch.float32), pattern_dataset(), tmp_path, mode="lora", max_steps=3,
+                          learning_rate=5e-2, use_cpu=True, lora_r=4)
+    values = gate_values(trainer.model)
+    assert len(values) == 2 * 3 and any(v != 0 for v in values.values())

@@ -2,8 +2,10 @@
 
 from pathlib import Path
 
-from transformers import Trainer, TrainingArguments, default_data_collator
+import torch
+from transformers import TrainingArguments, default_data_collator
 
+from .geometry_logging import GeometryLoggingTrainer
 from .modes import prepare_for_training
 
 
@@ -19,6 +21,7 @@ def train_model(
     batch_size: int = 8,
     seed: int = 0,
     lora_r: int = 8,
+    probe_ids=None,
     **training_args,
 ):
     """Train ``model`` in ``mode`` on a dataset of fixed-length ``input_ids`` / ``labels`` blocks.
@@ -30,6 +33,8 @@ def train_model(
         mode: "full", "metric-only" or "lora" (see ``training.modes``).
         max_steps, learning_rate, batch_size, seed: the usual TrainingArguments.
         lora_r: LoRA rank in "lora" mode.
+        probe_ids: a small fixed batch on which the geometry proxies are logged with the loss (default: the first
+            training block).
         training_args: any further ``TrainingArguments`` field (report_to, save_steps, bf16, ...).
     Returns the Trainer after training (its ``model`` is what was trained, a PeftModel in "lora" mode).
     """
@@ -46,7 +51,9 @@ def train_model(
         logging_steps=training_args.pop("logging_steps", 1),
         **training_args,
     )
-    trainer = Trainer(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                      data_collator=default_data_collator)
+    if probe_ids is None and len(train_dataset):
+        probe_ids = torch.tensor(train_dataset[:1]["input_ids"])
+    trainer = GeometryLoggingTrainer(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                                     data_collator=default_data_collator, probe_ids=probe_ids)
     trainer.train()
     return trainer
