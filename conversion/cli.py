@@ -1,4 +1,4 @@
-"""The ``fiber-bundle`` command line: thin argument parsing over the library functions."""
+"""The ``fiber-bundle`` command line (convert, train): thin argument parsing over the library functions."""
 
 import argparse
 import sys
@@ -42,6 +42,25 @@ def _convert(args) -> int:
     return 0
 
 
+def _train(args) -> int:
+    from fiber_bundle.training.trainer import run_training
+
+    try:
+        result = run_training(
+            args.model, args.output, data=args.data, eval_data=args.eval_data, mode=args.mode,
+            block_size=args.block_size, max_steps=args.max_steps, learning_rate=args.learning_rate,
+            batch_size=args.batch_size, seed=args.seed, lora_r=args.lora_r, curvature_weight=args.curvature_weight,
+            torsion_weight=args.torsion_weight, report_to=args.report_to,
+        )
+    except (ValueError, OSError) as error:
+        print(f"fiber-bundle train: error: {error}", file=sys.stderr)
+        return 1
+    print(f"trained {result['steps']} steps ({result['mode']}) -> {result['output']}")
+    if result["eval_loss_before"] is not None:
+        print(f"  eval loss: {result['eval_loss_before']:.4f} -> {result['eval_loss_after']:.4f}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fiber-bundle", description="Fiber Bundle Transformers tools.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -69,6 +88,29 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--license", default=None,
                          help="license for the model card (default: the one the source's model card declares)")
     convert.set_defaults(handler=_convert)
+
+    train = commands.add_parser(
+        "train", help="fine-tune a Fiber Bundle folder with transformers' Trainer (full, metric-only or LoRA)",
+        description="Train MODEL (a Fiber Bundle folder) and save the result to OUTPUT.",
+    )
+    train.add_argument("model", help="a Fiber Bundle folder, e.g. the output of fiber-bundle convert")
+    train.add_argument("output", help="folder for the trained model (or LoRA adapter), tokenizer and checkpoints")
+    train.add_argument("--data", nargs="+", default=None,
+                       help="training text: .txt / .json(l) / .parquet files or a Hub dataset name "
+                            "(default: Python's pydoc topics, split by topic)")
+    train.add_argument("--eval-data", nargs="+", default=None, help="held-out data in the same forms as --data")
+    train.add_argument("--mode", choices=["full", "metric-only", "lora"], default="metric-only",
+                       help="what trains: everything, only the metric (backbone frozen), or LoRA plus the metric")
+    train.add_argument("--block-size", type=int, default=256, help="tokens per packed training block")
+    train.add_argument("--max-steps", type=int, default=100, help="optimiser steps")
+    train.add_argument("--learning-rate", type=float, default=1e-3, help="peak learning rate")
+    train.add_argument("--batch-size", type=int, default=8, help="blocks per device and step")
+    train.add_argument("--seed", type=int, default=0, help="random seed")
+    train.add_argument("--lora-r", type=int, default=8, help="LoRA rank (--mode lora)")
+    train.add_argument("--curvature-weight", type=float, default=None, help="weight of the curvature regulariser")
+    train.add_argument("--torsion-weight", type=float, default=None, help="weight of the torsion regulariser")
+    train.add_argument("--report-to", nargs="*", default=[], help="Trainer integrations to log to (e.g. tensorboard)")
+    train.set_defaults(handler=_train)
     return parser
 
 

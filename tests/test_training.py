@@ -1,5 +1,6 @@
-"""Training modes on a tiny model at its graft point (as a converted checkpoint starts): the loss falls in each mode,
-metric-only changes only the metric, LoRA adapters round-trip and merge."""
+"""Training: on a tiny model at its graft point (as a converted checkpoint starts) the loss falls in each mode,
+metric-only changes only the metric, LoRA adapters round-trip and merge, geometry is logged, data is packed, and
+``fiber-bundle train`` runs end to end."""
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ from datasets import Dataset
 from conftest import tiny_model
 from fiber_bundle.training import LORA_TARGET_MODULES, prepare_for_training, trainable_parameter_names
 from fiber_bundle.training.trainer import train_model
+from modeling_fiber_bundle import FiberBundleForCausalLM
 
 # peft 0.21 itself reads the deprecated `is_gradient_checkpointing` property; nothing of ours does
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
@@ -166,3 +168,24 @@ def test_geometry_logging_reads_the_trained_copy_under_lora(tmp_path):
                           learning_rate=5e-2, use_cpu=True, lora_r=4)
     values = gate_values(trainer.model)
     assert len(values) == 2 * 3 and any(v != 0 for v in values.values())
+
+
+def test_train_command_on_a_converted_folder(tmp_path):
+    """fiber-bundle train end to end: a converted folder with a tokenizer, text files, metric-only training."""
+    from conftest import tiny_tokenizer
+    from fiber_bundle.conversion.cli import main
+
+    folder = tmp_path / "model"
+    pretrained_tiny(tmp_path).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    words = lambda seed: " ".join(f"w{3 + (seed + 3 * i) % 90}" for i in range(400))  # noqa: E731
+    (tmp_path / "train.txt").write_text("\n".join(words(s) for s in range(8)) + "\n")
+    (tmp_path / "eval.txt").write_text("\n".join(words(s) for s in range(50, 52)) + "\n")
+    code = main(["train", str(folder), str(tmp_path / "out"), "--data", str(tmp_path / "train.txt"),
+                 "--eval-data", str(tmp_path / "eval.txt"), "--block-size", "32", "--max-steps", "30",
+                 "--learning-rate", "0.05", "--batch-size", "4"])
+    assert code == 0
+    trained = FiberBundleForCausalLM.from_pretrained(tmp_path / "out")
+    assert torch.expm1(trained.model.layers[0].fiber.attn_gate).abs().max() > 0  # the gates moved
+    assert (tmp_path / "out" / "tokenizer.json").is_file() and (tmp_path / "out" / "modeling_fiber_bundle.py").is_file()
+    assert main(["train", str(folder), str(tmp_path / "o2"), "--data", str(tmp_path / "missing.txt")]) == 1

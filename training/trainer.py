@@ -57,3 +57,78 @@ def train_model(
                                      data_collator=default_data_collator, probe_ids=probe_ids)
     trainer.train()
     return trainer
+
+
+def evaluation_loss(model, dataset, batch_size: int = 8) -> float:
+    """Mean token loss of ``model`` over ``dataset`` (blocks of equal length), without gradient."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(dataset), batch_size):
+            ids = torch.tensor(dataset[start : start + batch_size]["input_ids"], device=model.device)
+            total += model(input_ids=ids, labels=ids).loss.item() * len(ids)
+            count += len(ids)
+    model.train(was_training)
+    return total / max(1, count)
+
+
+def run_training(
+    model_path: str | Path,
+    output: str | Path,
+    *,
+    data=None,
+    eval_data=None,
+    mode: str = "metric-only",
+    block_size: int = 256,
+    max_steps: int = 100,
+    learning_rate: float = 1e-3,
+    batch_size: int = 8,
+    seed: int = 0,
+    lora_r: int = 8,
+    curvature_weight: float | None = None,
+    torsion_weight: float | None = None,
+    **training_args,
+) -> dict:
+    """Load a Fiber Bundle folder and its tokenizer, build packed datasets, train, and save the result to ``output``.
+
+    Arguments:
+        model_path: a Fiber Bundle folder (for example the output of ``fiber-bundle convert``).
+        output: where the trained model (or, in "lora" mode, the adapter) and the tokenizer are saved; the Trainer's
+            checkpoints go to ``output/checkpoints``.
+        data, eval_data: local files or a Hub dataset name (``training.data.load_source``); without ``data`` the
+            standard library's pydoc topics are used, split by topic into train and eval.
+        mode, block_size, max_steps, learning_rate, batch_size, seed, lora_r: as in ``train_model``.
+        curvature_weight, torsion_weight: geometry regulariser weights (default: the model config's).
+    Returns eval loss before and after, the number of steps and the output folder.
+    """
+    from transformers import AutoTokenizer
+
+    from modeling_fiber_bundle import FiberBundleForCausalLM
+
+    from .data import load_source, pack_blocks, pydoc_topics
+
+    model = FiberBundleForCausalLM.from_pretrained(model_path)
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=True)
+    for name, value in (("curvature_weight", curvature_weight), ("torsion_weight", torsion_weight)):
+        if value is not None:
+            setattr(model.config, name, value)
+    if data is None:
+        train_text, eval_text = pydoc_topics(seed=seed)
+    else:
+        train_text = load_source(data)
+        eval_text = load_source(eval_data) if eval_data is not None else None
+    train_set = pack_blocks(train_text, tokenizer, block_size)
+    eval_set = pack_blocks(eval_text, tokenizer, block_size) if eval_text is not None else None
+    if len(train_set) == 0:
+        raise ValueError(f"the training data holds fewer than block_size={block_size} tokens.")
+    before = evaluation_loss(model, eval_set, batch_size) if eval_set is not None else None
+    output = Path(output)
+    trainer = train_model(model, train_set, output / "checkpoints", mode=mode, eval_dataset=eval_set,
+                          max_steps=max_steps, learning_rate=learning_rate, batch_size=batch_size, seed=seed,
+                          lora_r=lora_r, **training_args)
+    after = evaluation_loss(trainer.model, eval_set, batch_size) if eval_set is not None else None
+    trainer.model.save_pretrained(output)
+    tokenizer.save_pretrained(output)
+    return {"eval_loss_before": before, "eval_loss_after": after, "steps": trainer.state.global_step,
+            "output": str(output), "mode": mode}
