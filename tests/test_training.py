@@ -189,3 +189,34 @@ def test_train_command_on_a_converted_folder(tmp_path):
     assert torch.expm1(trained.model.layers[0].fiber.attn_gate).abs().max() > 0  # the gates moved
     assert (tmp_path / "out" / "tokenizer.json").is_file() and (tmp_path / "out" / "modeling_fiber_bundle.py").is_file()
     assert main(["train", str(folder), str(tmp_path / "o2"), "--data", str(tmp_path / "missing.txt")]) == 1
+
+
+def test_killed_run_resumes_to_the_same_weights(tmp_path, monkeypatch):
+    """A run stopped after its step-4 checkpoint and restarted from it ends with the weights of an uninterrupted run."""
+    from transformers import TrainerCallback
+
+    from fiber_bundle.training.geometry_logging import GeometryLoggingTrainer
+
+    class Kill(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 5:
+                raise KeyboardInterrupt  # the process dies one step after checkpoint-4
+
+    common = dict(mode="full", max_steps=8, learning_rate=3e-3, batch_size=4, use_cpu=True, save_strategy="steps",
+                  save_steps=4, seed=7)
+    whole = train_model(tiny_model(dtype=torch.float32), pattern_dataset(), tmp_path / "whole", **common).model
+    original_init = GeometryLoggingTrainer.__init__
+
+    def init_with_kill(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        self.add_callback(Kill())
+
+    with monkeypatch.context() as patch:
+        patch.setattr(GeometryLoggingTrainer, "__init__", init_with_kill)
+        with pytest.raises(KeyboardInterrupt):
+            train_model(tiny_model(dtype=torch.float32), pattern_dataset(), tmp_path / "killed", **common)
+    assert (tmp_path / "killed" / "checkpoint-4").is_dir() and not (tmp_path / "killed" / "checkpoint-8").exists()
+    resumed = train_model(tiny_model(dtype=torch.float32), pattern_dataset(), tmp_path / "killed",
+                          resume_from_checkpoint=True, **common).model
+    for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")

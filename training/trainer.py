@@ -22,6 +22,7 @@ def train_model(
     seed: int = 0,
     lora_r: int = 8,
     probe_ids=None,
+    resume_from_checkpoint: str | bool | None = None,
     **training_args,
 ):
     """Train ``model`` in ``mode`` on a dataset of fixed-length ``input_ids`` / ``labels`` blocks.
@@ -35,6 +36,7 @@ def train_model(
         lora_r: LoRA rank in "lora" mode.
         probe_ids: a small fixed batch on which the geometry proxies are logged with the loss (default: the first
             training block).
+        resume_from_checkpoint: True (the last checkpoint in ``output_dir``) or a checkpoint folder to resume from.
         training_args: any further ``TrainingArguments`` field (report_to, save_steps, bf16, ...).
     Returns the Trainer after training (its ``model`` is what was trained, a PeftModel in "lora" mode).
     """
@@ -49,13 +51,14 @@ def train_model(
         report_to=training_args.pop("report_to", []),
         save_strategy=training_args.pop("save_strategy", "no"),
         logging_steps=training_args.pop("logging_steps", 1),
+        dataloader_pin_memory=training_args.pop("dataloader_pin_memory", torch.cuda.is_available()),
         **training_args,
     )
     if probe_ids is None and len(train_dataset):
         probe_ids = torch.tensor(train_dataset[:1]["input_ids"])
     trainer = GeometryLoggingTrainer(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                                      data_collator=default_data_collator, probe_ids=probe_ids)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     return trainer
 
 
