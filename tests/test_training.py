@@ -220,3 +220,32 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path, monkeypatch):
                           resume_from_checkpoint=True, **common).model
     for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.heavy
+def test_two_process_ddp_matches_one_process(tmp_path):
+    """torchrun --standalone --nproc_per_node 2 with use_cpu=True (gloo): world size 2, identical parameters on both
+    ranks, and the result of one process with the same global batch (every step sees the whole 8-block dataset)."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    worker = Path(__file__).parent / "ddp_worker.py"
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
+    runs = {}
+    for name, command in (
+        ("ddp", [torchrun, "--standalone", "--nproc_per_node", "2", str(worker), str(tmp_path / "ddp"), "4"]),
+        ("single", [sys.executable, str(worker), str(tmp_path / "single"), "8"]),
+    ):
+        (tmp_path / name).mkdir()
+        result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[name] = json.loads((tmp_path / name / "result.json").read_text())
+    assert runs["ddp"]["world_size"] == 2 and "DISTRIBUTED" in runs["ddp"]["parallel_mode"]
+    assert runs["ddp"]["checksums"][0] == runs["ddp"]["checksums"][1]  # the ranks hold identical parameters
+    assert runs["single"]["world_size"] == 1
+    ddp, single = torch.load(tmp_path / "ddp" / "weights.pt"), torch.load(tmp_path / "single" / "weights.pt")
+    for name, value in single.items():
+        torch.testing.assert_close(ddp[name], value, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")

@@ -1,0 +1,33 @@
+"""Run by tests/test_training.py under ``torchrun --standalone --nproc_per_node N``: a few full-mode steps of the tiny
+model with DDP over gloo on CPU, then the parameter checksums of every rank and rank 0's weights."""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+from conftest import tiny_model  # noqa: E402
+from test_training import pattern_dataset  # noqa: E402
+
+from fiber_bundle.training.trainer import train_model  # noqa: E402
+
+out, per_device = Path(sys.argv[1]), int(sys.argv[2])
+trainer = train_model(
+    tiny_model(dtype=torch.float32), pattern_dataset(n=8), out / "run", mode="full", max_steps=4,
+    learning_rate=3e-3, batch_size=per_device, use_cpu=True, ddp_find_unused_parameters=False, seed=0,
+)
+model = trainer.model
+checksum = sum(p.detach().double().sum().item() for p in model.parameters())
+world = trainer.args.world_size
+checksums = [None] * world
+if dist.is_initialized():
+    dist.all_gather_object(checksums, checksum)
+else:
+    checksums = [checksum]
+if trainer.args.process_index == 0:
+    torch.save(model.state_dict(), out / "weights.pt")
+    (out / "result.json").write_text(json.dumps({"world_size": world, "checksums": checksums,
+                                                 "parallel_mode": str(trainer.args.parallel_mode)}))
