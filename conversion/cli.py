@@ -1,4 +1,4 @@
-"""The ``fiber-bundle`` command line (convert, train): thin argument parsing over the library functions."""
+"""The ``fiber-bundle`` command line (convert, train, publish): thin argument parsing over the library functions."""
 
 import argparse
 import sys
@@ -61,6 +61,20 @@ def _train(args) -> int:
     return 0
 
 
+def _publish(args) -> int:
+    from fiber_bundle.training.publish import PublishError, publish
+
+    try:
+        result = publish(args.folder, args.repo_id, private=args.private, revision=args.revision,
+                         dry_run=args.dry_run)
+    except PublishError as error:
+        print(f"fiber-bundle publish: error: {error}", file=sys.stderr)
+        return 1
+    action = "would upload (dry run)" if result["dry_run"] else "uploaded"
+    print(f"{action} {len(result['files'])} files to {result['repo_id']}: {', '.join(result['files'])}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fiber-bundle", description="Fiber Bundle Transformers tools.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -111,6 +125,19 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--torsion-weight", type=float, default=None, help="weight of the torsion regulariser")
     train.add_argument("--report-to", nargs="*", default=[], help="Trainer integrations to log to (e.g. tensorboard)")
     train.set_defaults(handler=_train)
+
+    publish = commands.add_parser(
+        "publish", help="check a Fiber Bundle folder, finish its model card and upload it to the Hub",
+        description="Check FOLDER (loads with trust_remote_code in a fresh process, auto_map, modeling files, "
+                    "safetensors), render its model card, then create the repo and upload. The token comes from "
+                    "HF_TOKEN or `hf auth login` and is never written anywhere.",
+    )
+    publish.add_argument("folder", help="the folder to publish")
+    publish.add_argument("--repo-id", required=True, help="OWNER/NAME of the Hub repository")
+    publish.add_argument("--private", action="store_true", help="create the repository private")
+    publish.add_argument("--revision", default=None, help="branch to upload to (default: main)")
+    publish.add_argument("--dry-run", action="store_true", help="check and render the card only; no network access")
+    publish.set_defaults(handler=_publish)
     return parser
 
 

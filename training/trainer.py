@@ -1,5 +1,7 @@
 """A thin layer over transformers' Trainer: accelerate handles devices, precision, accumulation, checkpoints, logging."""
 
+import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -133,5 +135,10 @@ def run_training(
     after = evaluation_loss(trainer.model, eval_set, batch_size) if eval_set is not None else None
     trainer.model.save_pretrained(output)
     tokenizer.save_pretrained(output)
-    return {"eval_loss_before": before, "eval_loss_after": after, "steps": trainer.state.global_step,
-            "output": str(output), "mode": mode}
+    for name in ("README.md", "conversion_report.json"):  # the card and parity report travel with the model
+        if (Path(model_path) / name).is_file() and not (output / name).exists():
+            shutil.copyfile(Path(model_path) / name, output / name)
+    result = {"mode": mode, "steps": trainer.state.global_step, "eval_loss_before": before, "eval_loss_after": after,
+              "block_size": block_size, "learning_rate": learning_rate, "batch_size": batch_size, "seed": seed}
+    (output / "training_metrics.json").write_text(json.dumps(result, indent=2) + "\n")
+    return {**result, "output": str(output)}

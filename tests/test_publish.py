@@ -1,0 +1,124 @@
+"""fiber-bundle publish: folder checks, the model card, dry run without HTTP, and the upload at the huggingface_hub
+boundary (HfApi mocked; the suite runs with HF_HUB_OFFLINE=1, so any real HTTP call would fail)."""
+
+import json
+
+import huggingface_hub
+import pytest
+import torch
+from huggingface_hub import ModelCard
+
+from conftest import tiny_model, tiny_tokenizer
+from fiber_bundle.conversion.cli import main as cli_main
+from fiber_bundle.training.publish import IGNORE_PATTERNS, PublishError, check_folder, publish
+
+
+@pytest.fixture
+def folder(tmp_path):
+    path = tmp_path / "model"
+    tiny_model(dtype=torch.float32).save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    (path / "training_metrics.json").write_text(json.dumps({"eval_loss_before": 4.6, "eval_loss_after": 4.1}))
+    return path
+
+
+def http_error(cls, status, message):
+    """A huggingface_hub HTTP error as the library raises it (it needs the failed response)."""
+    import httpx2
+
+    response = httpx2.Response(status, request=httpx2.Request("POST", "https://huggingface.co/api/repos"))
+    return cls(message, response=response)
+
+
+class RecordingApi:
+    """Stands in for HfApi: records the calls, fails where told to."""
+
+    calls = []
+
+    def __init__(self, token=None, fail_upload=False, existing=None):
+        self.token = token
+
+    def repo_info(self, repo_id):
+        RecordingApi.calls.append(("repo_info", repo_id))
+        if RecordingApi.existing is None:
+            raise http_error(huggingface_hub.errors.RepositoryNotFoundError, 404, "no such repo")
+        return RecordingApi.existing
+
+    def create_repo(self, repo_id, **kwargs):
+        RecordingApi.calls.append(("create_repo", repo_id, kwargs))
+        return f"https://huggingface.co/{repo_id}"
+
+    def upload_folder(self, **kwargs):
+        RecordingApi.calls.append(("upload_folder", kwargs))
+        if RecordingApi.fail_upload:
+            raise http_error(huggingface_hub.errors.HfHubHTTPError, 403, "403 Forbidden: no write access")
+        return "commit-url"
+
+
+@pytest.fixture
+def api(monkeypatch):
+    RecordingApi.calls, RecordingApi.fail_upload, RecordingApi.existing = [], False, None
+    monkeypatch.setattr(huggingface_hub, "HfApi", RecordingApi)
+    monkeypatch.setenv("HF_TOKEN", "hf_test_token_never_written")
+    return RecordingApi
+
+
+def test_dry_run_checks_renders_the_card_and_makes_no_call(folder, api):
+    result = publish(folder, "someone/fbt-tiny", dry_run=True)
+    assert result["dry_run"] and "model.safetensors" in result["files"]
+    assert api.calls == []  # no HTTP at all
+    card = ModelCard.load(folder / "README.md")
+    assert card.data.library_name == "transformers" and card.data.pipeline_tag == "text-generation"
+    assert "custom_code" in card.data.tags and "## Training" in card.text and "4.1" in card.text
+
+
+def test_upload_goes_through_hfapi_with_the_right_arguments(folder, api):
+    result = publish(folder, "someone/fbt-tiny", private=True, revision="dev", check_load=False)
+    names = [call[0] for call in api.calls]
+    assert names == ["repo_info", "create_repo", "upload_folder"]
+    assert api.calls[1][1] == "someone/fbt-tiny" and api.calls[1][2]["private"] is True
+    upload = api.calls[2][1]
+    assert upload["repo_id"] == "someone/fbt-tiny" and upload["revision"] == "dev"
+    assert upload["folder_path"] == str(folder) and upload["ignore_patterns"] == IGNORE_PATTERNS
+    assert not result["dry_run"]
+    for path in folder.rglob("*"):  # the token is never written anywhere
+        if path.is_file():
+            assert b"hf_test_token_never_written" not in path.read_bytes(), path
+
+
+def test_private_onto_an_existing_public_repo_is_refused(folder, api):
+    api.existing = type("Info", (), {"private": False})()
+    with pytest.raises(PublishError, match="already exists and is public"):
+        publish(folder, "someone/fbt-tiny", private=True, check_load=False)
+    assert [c[0] for c in api.calls] == ["repo_info"]
+
+
+def test_missing_token_and_failed_upload_give_clear_errors(folder, api, monkeypatch):
+    monkeypatch.delenv("HF_TOKEN")
+    monkeypatch.setattr("huggingface_hub.get_token", lambda: None)
+    with pytest.raises(PublishError, match="no Hugging Face token"):
+        publish(folder, "someone/fbt-tiny", check_load=False)
+    monkeypatch.setenv("HF_TOKEN", "hf_x")
+    monkeypatch.setattr("huggingface_hub.get_token", lambda: "hf_x")
+    api.fail_upload = True
+    before = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+    with pytest.raises(PublishError, match="failed.*local folder is unchanged"):
+        publish(folder, "someone/fbt-tiny", check_load=False)
+    assert {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()} == before
+
+
+def test_checks_find_what_breaks_a_hub_folder(folder):
+    assert check_folder(folder) == []  # includes a trust_remote_code load in a fresh process
+    (folder / "fiber_attention.py").unlink()
+    torch.save({}, folder / "pytorch_model.bin")
+    problems = " ".join(check_folder(folder))
+    assert "fiber_attention.py is missing" in problems and "pickled weights" in problems
+    with pytest.raises(PublishError, match="not ready to publish"):
+        publish(folder, "someone/x", dry_run=True)
+    with pytest.raises(PublishError, match="OWNER/NAME"):
+        publish(folder, "no-owner", dry_run=True)
+
+
+def test_publish_command_dry_run(folder, api, capsys):
+    assert cli_main(["publish", str(folder), "--repo-id", "someone/fbt-tiny", "--dry-run"]) == 0
+    assert "would upload (dry run)" in capsys.readouterr().out and api.calls == []

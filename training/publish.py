@@ -1,0 +1,136 @@
+"""``fiber-bundle publish``: check a Fiber Bundle folder, finish its model card, and upload it to the Hub.
+
+The token comes only from huggingface_hub's own sources (``HF_TOKEN``, the login token file, or the argument); it is
+never written anywhere. A dry run makes no HTTP call. A failed upload leaves the local folder as it was.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+REQUIRED_AUTO_MAP = ("AutoConfig", "AutoModel", "AutoModelForCausalLM")
+MODELING_FILES = ("configuration_fiber_bundle.py", "modeling_fiber_bundle.py", "fiber_attention.py")
+# never uploaded: training checkpoints, optimiser / scheduler / RNG states, pickles, hidden files
+IGNORE_PATTERNS = ["checkpoints/*", "checkpoint-*/*", "optimizer.pt", "scheduler.pt", "rng_state*", "*.bin", "*.pth",
+                   ".*", "*/.*", "training_args.bin"]
+
+FRESH_LOAD = textwrap.dedent(
+    """
+    import importlib.abc, sys
+    class Block(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in ("modeling_fiber_bundle", "fiber_bundle"):
+                raise ImportError(name)
+    sys.meta_path.insert(0, Block())
+    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)
+    """
+)
+
+
+class PublishError(RuntimeError):
+    """Publishing cannot proceed; the message names the problem and the fix."""
+
+
+def check_folder(folder: str | Path, *, load: bool = True) -> list[str]:
+    """What keeps ``folder`` from being a loadable Hub folder (empty when it is one)."""
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        return [f"{folder} has no config.json"]
+    problems = []
+    auto_map = json.loads((folder / "config.json").read_text()).get("auto_map") or {}
+    missing = [key for key in REQUIRED_AUTO_MAP if key not in auto_map]
+    if missing:
+        problems.append(f"config.json auto_map lacks {missing}")
+    problems += [f"modeling file {name} is missing" for name in MODELING_FILES if not (folder / name).is_file()]
+    if not list(folder.glob("*.safetensors")):
+        problems.append("no safetensors weights")
+    if list(folder.glob("*.bin")) or list(folder.glob("*.pt")):
+        problems.append("pickled weights (.bin / .pt) present: publish safetensors only")
+    if load and not problems:
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env["HF_HUB_OFFLINE"] = "1"
+        result = subprocess.run([sys.executable, "-c", FRESH_LOAD, str(folder.resolve())], capture_output=True,
+                                text=True, env=env, cwd=folder, stdin=subprocess.DEVNULL)
+        if result.returncode != 0:
+            problems.append(f"does not load with trust_remote_code in a fresh process: {result.stderr[-800:]}")
+    return problems
+
+
+def finish_card(folder: Path, repo_id: str):
+    """Fill the repo id into the model card and add the training metrics (``training_metrics.json``) if any."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    path = folder / "README.md"
+    if path.is_file():
+        card = ModelCard.load(path)
+    else:
+        card = ModelCard(f"---\n{ModelCardData().to_yaml()}\n---\n\n# {repo_id.split('/')[-1]}\n\nA Fiber Bundle "
+                         "Transformer model.\n")
+    card.data.library_name = "transformers"
+    card.data.pipeline_tag = "text-generation"
+    card.data.tags = sorted(set(card.data.tags or []) | {"fiber-bundle", "custom_code"})
+    card.text = card.text.replace("OWNER/NAME", repo_id)
+    metrics_path = folder / "training_metrics.json"
+    if metrics_path.is_file() and "## Training" not in card.text:
+        metrics = json.loads(metrics_path.read_text())
+        rows = "\n".join(f"| {key} | {value} |" for key, value in metrics.items())
+        card.text += f"\n## Training\n\n| | |\n|---|---|\n{rows}\n"
+    card.save(path)
+    return card
+
+
+def publish(folder: str | Path, repo_id: str, *, private: bool = False, revision: str | None = None,
+            dry_run: bool = False, token: str | None = None, check_load: bool = True) -> dict:
+    """Check ``folder``, finish its card, then (unless ``dry_run``) create ``repo_id`` and upload the folder.
+
+    Arguments:
+        folder: a Fiber Bundle folder (from ``fiber-bundle convert`` or ``train``).
+        repo_id: OWNER/NAME on the Hub.
+        private: create the repo private (refused if it already exists and is public).
+        revision: the branch to upload to.
+        dry_run: check and render the card only; no HTTP call.
+        token: a Hub token; default: huggingface_hub's own (HF_TOKEN or the login token file).
+        check_load: load the folder with trust_remote_code in a fresh process as part of the check.
+    """
+    folder = Path(folder)
+    if repo_id.count("/") != 1 or not all(repo_id.split("/")):
+        raise PublishError(f"--repo-id {repo_id!r} must be OWNER/NAME.")
+    problems = check_folder(folder, load=check_load)
+    if problems:
+        raise PublishError(f"{folder} is not ready to publish: " + "; ".join(problems))
+    finish_card(folder, repo_id)
+    files = sorted(p.name for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
+    if dry_run:
+        return {"repo_id": repo_id, "dry_run": True, "files": files}
+
+    from huggingface_hub import HfApi, get_token
+    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
+
+    token = token or get_token()
+    if token is None:
+        raise PublishError("no Hugging Face token: run `hf auth login` or set HF_TOKEN (it is never written to the "
+                           "folder or the logs).")
+    api = HfApi(token=token)
+    try:
+        try:
+            info = api.repo_info(repo_id)
+            if private and not info.private:
+                raise PublishError(f"{repo_id} already exists and is public; --private would not make it private. "
+                                   "Change its visibility on the Hub, or publish without --private.")
+        except RepositoryNotFoundError:
+            pass
+        url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        commit = api.upload_folder(repo_id=repo_id, folder_path=str(folder), revision=revision,
+                                   ignore_patterns=IGNORE_PATTERNS,
+                                   commit_message="Upload Fiber Bundle model with fiber-bundle publish")
+    except PublishError:
+        raise
+    except (HfHubHTTPError, OSError, ValueError) as error:
+        raise PublishError(f"upload of {folder} to {repo_id} failed ({type(error).__name__}: {error}); the local "
+                           "folder is unchanged. Check the network, the token's write permission and the repo id.") \
+            from error
+    return {"repo_id": repo_id, "dry_run": False, "files": files, "url": str(url), "commit": str(commit)}
