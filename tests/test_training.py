@@ -249,3 +249,10 @@ def test_two_process_ddp_matches_one_process(tmp_path):
     ddp, single = torch.load(tmp_path / "ddp" / "weights.pt"), torch.load(tmp_path / "single" / "weights.pt")
     for name, value in single.items():
         torch.testing.assert_close(ddp[name], value, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_quiet_training_prints_nothing_but_still_logs(tmp_path, capsys):
+    trainer = train_model(tiny_model(dtype=torch.float32), pattern_dataset(), tmp_path, mode="metric-only",
+                          max_steps=2, learning_rate=1e-2, use_cpu=True, quiet=True)
+    assert "geometry/torsion" not in capsys.readouterr().out
+    assert any("geometry/torsion" in entry for entry in trainer.state.log_history)

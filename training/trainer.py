@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 from transformers import TrainingArguments, default_data_collator
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from .geometry_logging import GeometryLoggingTrainer
 from .modes import prepare_for_training
@@ -25,6 +26,7 @@ def train_model(
     lora_r: int = 8,
     probe_ids=None,
     resume_from_checkpoint: str | bool | None = None,
+    quiet: bool = False,
     **training_args,
 ):
     """Train ``model`` in ``mode`` on a dataset of fixed-length ``input_ids`` / ``labels`` blocks.
@@ -39,6 +41,7 @@ def train_model(
         probe_ids: a small fixed batch on which the geometry proxies are logged with the loss (default: the first
             training block).
         resume_from_checkpoint: True (the last checkpoint in ``output_dir``) or a checkpoint folder to resume from.
+        quiet: do not print log lines or a progress bar (``report_to`` integrations still receive every log).
         training_args: any further ``TrainingArguments`` field (report_to, save_steps, bf16, ...).
     Returns the Trainer after training (its ``model`` is what was trained, a PeftModel in "lora" mode).
     """
@@ -60,6 +63,9 @@ def train_model(
         probe_ids = torch.tensor(train_dataset[:1]["input_ids"])
     trainer = GeometryLoggingTrainer(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                                      data_collator=default_data_collator, probe_ids=probe_ids)
+    if quiet:
+        for callback in (PrinterCallback, ProgressCallback):
+            trainer.remove_callback(callback)
     trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     return trainer
 
