@@ -533,3 +533,17 @@ def test_no_future_warnings_from_a_normal_run():
         model.train()
         model.activation_checkpointing_enable()
         model(ids, labels=ids).loss.backward()
+
+
+def test_resize_token_embeddings_keeps_the_tie_and_the_existing_logits():
+    model = set_gates(tiny_model(tie_word_embeddings=True))
+    ids = random_ids(2, 9)
+    with torch.no_grad():
+        before = model(ids).logits
+    model.resize_token_embeddings(TINY["vocab_size"] + 8)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert model.config.vocab_size == TINY["vocab_size"] + 8
+    with torch.no_grad():
+        after = model(ids).logits
+    # equal up to float64 rounding (the wider lm_head matmul blocks differently)
+    torch.testing.assert_close(after[..., : TINY["vocab_size"]], before, rtol=0, atol=1e-12)

@@ -256,3 +256,34 @@ def test_quiet_training_prints_nothing_but_still_logs(tmp_path, capsys):
                           max_steps=2, learning_rate=1e-2, use_cpu=True, quiet=True)
     assert "geometry/torsion" not in capsys.readouterr().out
     assert any("geometry/torsion" in entry for entry in trainer.state.log_history)
+
+
+def test_lora_adapter_loads_with_autopeft_in_a_fresh_process(tmp_path):
+    """A LoRA adapter trained on a Fiber Bundle folder reloads with AutoPeftModelForCausalLM + trust_remote_code where
+    this project cannot be imported (task_type CAUSAL_LM keeps peft's auto mapping on the Auto classes)."""
+    import json
+
+    from conftest import run_without_project
+
+    base = tmp_path / "base"
+    tiny_model(dtype=torch.float32).save_pretrained(base)
+    model = FiberBundleForCausalLM.from_pretrained(base)
+    trainer = train_model(model, pattern_dataset(), tmp_path / "run", mode="lora", max_steps=2, learning_rate=1e-2,
+                          use_cpu=True, lora_r=4, quiet=True)
+    trainer.model.save_pretrained(tmp_path / "adapter")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["task_type"] == "CAUSAL_LM" and config["base_model_name_or_path"] == str(base)
+    ids = torch.tensor([[5, 8, 11, 14]])
+    torch.save(ids, tmp_path / "ids.pt")
+    with torch.no_grad():
+        expected = trainer.model.eval()(input_ids=ids).logits
+    script = """
+        import torch
+        from peft import AutoPeftModelForCausalLM
+        model = AutoPeftModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)
+        with torch.no_grad():
+            torch.save(model(input_ids=torch.load(sys.argv[2])).logits, sys.argv[3])
+    """
+    result = run_without_project(script, tmp_path / "adapter", tmp_path / "ids.pt", tmp_path / "out.pt", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    torch.testing.assert_close(torch.load(tmp_path / "out.pt"), expected, rtol=0, atol=1e-6)
