@@ -1,7 +1,6 @@
-"""Fine-tuning Fiber Bundle models with transformers' Trainer and PEFT (installed as ``fiber_bundle.training``).
-
-Work in progress (issue 4): the training modes and the Trainer loop are here; data loading from ``datasets``, the
-``fiber-bundle train`` command, distribution and publishing come next.
+"""Fine-tuning and publishing Fiber Bundle models with transformers' Trainer, PEFT, datasets and huggingface_hub
+(installed as ``fiber_bundle.training``): ``modes`` (full / metric-only / LoRA), ``data`` (sources and packing),
+``trainer`` (``train_model``, ``run_training``), ``geometry_logging`` and ``publish``.
 """
 
 from .modes import LORA_TARGET_MODULES, TRAINING_MODES, prepare_for_training, trainable_parameter_names
