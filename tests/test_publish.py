@@ -81,6 +81,8 @@ def test_upload_goes_through_hfapi_with_the_right_arguments(folder, api):
     assert upload["repo_id"] == "someone/fbt-tiny" and upload["revision"] == "dev"
     assert upload["folder_path"] == str(folder) and upload["ignore_patterns"] == IGNORE_PATTERNS
     assert not result["dry_run"]
+    assert {"config.json", "model.safetensors", "README.md", "modeling_fiber_bundle.py", "fiber_attention.py",
+            "configuration_fiber_bundle.py", "tokenizer.json"} <= set(result["files"])
     for path in folder.rglob("*"):  # the token is never written anywhere
         if path.is_file():
             assert b"hf_test_token_never_written" not in path.read_bytes(), path

@@ -287,3 +287,21 @@ def test_lora_adapter_loads_with_autopeft_in_a_fresh_process(tmp_path):
     result = run_without_project(script, tmp_path / "adapter", tmp_path / "ids.pt", tmp_path / "out.pt", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     torch.testing.assert_close(torch.load(tmp_path / "out.pt"), expected, rtol=0, atol=1e-6)
+
+
+def test_train_command_checkpoints_and_resumes(tmp_path):
+    from conftest import tiny_tokenizer
+    from fiber_bundle.conversion.cli import main
+
+    folder = tmp_path / "model"
+    tiny_model(dtype=torch.float32).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    (tmp_path / "train.txt").write_text(" ".join(f"w{3 + i % 90}" for i in range(2000)) + "\n")
+    args = ["train", str(folder), str(tmp_path / "out"), "--data", str(tmp_path / "train.txt"), "--block-size", "32",
+            "--batch-size", "4", "--save-steps", "3"]
+    assert main(args + ["--max-steps", "3"]) == 0
+    assert (tmp_path / "out" / "checkpoints" / "checkpoint-3").is_dir()
+    assert main(args + ["--max-steps", "6", "--resume"]) == 0  # continues from step 3
+    assert (tmp_path / "out" / "checkpoints" / "checkpoint-6").is_dir()
+    metrics = __import__("json").loads((tmp_path / "out" / "training_metrics.json").read_text())
+    assert metrics["steps"] == 6
