@@ -52,7 +52,7 @@ def _train(args) -> int:
             batch_size=args.batch_size, seed=args.seed, lora_r=args.lora_r, curvature_weight=args.curvature_weight,
             torsion_weight=args.torsion_weight, report_to=args.report_to,
             **({"save_strategy": "steps", "save_steps": args.save_steps} if args.save_steps else {}),
-            resume_from_checkpoint=True if args.resume else None,
+            resume_from_checkpoint=True if args.resume else None, base_model_id=args.base_model_id,
         )
     except (ValueError, OSError) as error:
         print(f"fiber-bundle train: error: {error}", file=sys.stderr)
@@ -128,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--report-to", nargs="*", default=[], help="Trainer integrations to log to (e.g. tensorboard)")
     train.add_argument("--save-steps", type=int, default=0,
                        help="write a checkpoint to OUTPUT/checkpoints every N steps (0: none)")
+    train.add_argument("--base-model-id", default=None,
+                       help="--mode lora: Hub id of the base model, recorded in adapter_config.json")
     train.add_argument("--resume", action="store_true",
                        help="resume from the last checkpoint in OUTPUT/checkpoints (a killed run continues exactly)")
     train.set_defaults(handler=_train)

@@ -305,3 +305,20 @@ def test_train_command_checkpoints_and_resumes(tmp_path):
     assert (tmp_path / "out" / "checkpoints" / "checkpoint-6").is_dir()
     metrics = __import__("json").loads((tmp_path / "out" / "training_metrics.json").read_text())
     assert metrics["steps"] == 6
+
+
+def test_lora_run_records_the_hub_base_in_the_adapter(tmp_path):
+    import json
+
+    from conftest import tiny_tokenizer
+    from fiber_bundle.conversion.cli import main
+
+    folder = tmp_path / "model"
+    tiny_model(dtype=torch.float32).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    (tmp_path / "train.txt").write_text(" ".join(f"w{3 + i % 90}" for i in range(800)) + "\n")
+    assert main(["train", str(folder), str(tmp_path / "adapter"), "--data", str(tmp_path / "train.txt"),
+                 "--mode", "lora", "--lora-r", "4", "--block-size", "32", "--batch-size", "4", "--max-steps", "2",
+                 "--base-model-id", "someone/fbt-base"]) == 0
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "someone/fbt-base" and config["task_type"] == "CAUSAL_LM"

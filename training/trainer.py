@@ -99,6 +99,7 @@ def run_training(
     lora_r: int = 8,
     curvature_weight: float | None = None,
     torsion_weight: float | None = None,
+    base_model_id: str | None = None,
     **training_args,
 ) -> dict:
     """Load a Fiber Bundle folder and its tokenizer, build packed datasets, train, and save the result to ``output``.
@@ -111,6 +112,8 @@ def run_training(
             standard library's pydoc topics are used, split by topic into train and eval.
         mode, block_size, max_steps, learning_rate, batch_size, seed, lora_r: as in ``train_model``.
         curvature_weight, torsion_weight: geometry regulariser weights (default: the model config's).
+        base_model_id: in "lora" mode, the Hub id of the base (the Fiber Bundle model the adapter applies to) recorded
+            in adapter_config.json; default: ``model_path``.
     Returns eval loss before and after, the number of steps and the output folder.
     """
     from transformers import AutoTokenizer
@@ -139,6 +142,9 @@ def run_training(
                           max_steps=max_steps, learning_rate=learning_rate, batch_size=batch_size, seed=seed,
                           lora_r=lora_r, **training_args)
     after = evaluation_loss(trainer.model, eval_set, batch_size) if eval_set is not None else None
+    if mode == "lora" and base_model_id:  # an adapter published on the Hub must name its base by Hub id
+        for peft_config in trainer.model.peft_config.values():
+            peft_config.base_model_name_or_path = base_model_id
     trainer.model.save_pretrained(output)
     tokenizer.save_pretrained(output)
     for name in ("README.md", "conversion_report.json"):  # the card and parity report travel with the model
