@@ -15,8 +15,6 @@
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,15 +23,11 @@ import torch
 
 from fiber_bundle.conversion import ConversionError, convert_checkpoint
 from fiber_bundle.conversion.assets import SMOLLM2_HUB_ID, smollm2_gguf
+from fiber_bundle.conversion.fresh_process import run_without_project
 from modeling_fiber_bundle import FiberBundleForCausalLM
 
-FRESH_PROCESS = """
-import importlib.abc, json, sys
-class Block(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("modeling_fiber_bundle", "fiber_bundle"):
-            raise ImportError(name)
-sys.meta_path.insert(0, Block())
+ASK = """
+import json
 from transformers import AutoModelForCausalLM, AutoTokenizer
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)
 tokenizer = AutoTokenizer.from_pretrained(sys.argv[1], trust_remote_code=True)
@@ -70,10 +64,8 @@ def main() -> None:
           f"({report['parameters']['overhead_percent']:.2f}% of {report['parameters']['backbone']:,})")
     print(f"  files: {', '.join(sorted(p.name for p in args.out.iterdir()))}")
 
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(HF_HUB_OFFLINE="1", HF_HOME=str(args.out.resolve().parent / ".hf_home"))
-    child = subprocess.run([sys.executable, "-c", FRESH_PROCESS, str(args.out.resolve())], capture_output=True,
-                           text=True, cwd=args.out.parent, env=env, stdin=subprocess.DEVNULL)
+    child = run_without_project(ASK, args.out.resolve(), cwd=args.out.parent,
+                                hf_home=args.out.resolve().parent / ".hf_home")
     if child.returncode != 0:
         sys.exit(f"fresh-process load failed:\n{child.stderr[-3000:]}")
     loaded = json.loads(child.stdout.strip().splitlines()[-1])

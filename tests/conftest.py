@@ -1,9 +1,6 @@
 """Shared fixtures: tiny configs and backbone twins built with transformers' own classes."""
 
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -72,30 +69,8 @@ def tmp_hub_home(tmp_path, monkeypatch):
     return home
 
 
-# A child-process prologue: this project becomes unimportable, as on a Hub user's machine.
-BLOCK_PROJECT = textwrap.dedent(
-    """
-    import importlib.abc, sys
-    class BlockProject(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in {"modeling_fiber_bundle", "fiber_bundle", "conversion", "training"}:
-                raise ImportError(f"{name} must not be importable here")
-    sys.meta_path.insert(0, BlockProject())
-    try:
-        import modeling_fiber_bundle  # noqa: F401
-        raise SystemExit("the project is importable: the test would prove nothing")
-    except ImportError:
-        pass
-    """
-)
-
-
-def run_without_project(script: str, *args, cwd, timeout=600) -> subprocess.CompletedProcess:
-    """Run ``script`` in a fresh Python where this project cannot be imported, offline, with an empty HF cache."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(HF_HUB_OFFLINE="1", HF_HOME=str(cwd / "hf_home"), PYTHONNOUSERSITE="1")
-    return subprocess.run([sys.executable, "-c", BLOCK_PROJECT + textwrap.dedent(script), *map(str, args)],
-                          cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+# Fresh processes where this project cannot be imported: the library's one implementation
+from fiber_bundle.conversion.fresh_process import run_without_project  # noqa: E402,F401
 
 
 def geometry_step_change(model, ids, lr=1e-2) -> float:

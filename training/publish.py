@@ -5,31 +5,16 @@ never written anywhere. A dry run makes no HTTP call. A failed upload leaves the
 """
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
+import tempfile
 from pathlib import Path
+
+from fiber_bundle.conversion.fresh_process import run_without_project
 
 REQUIRED_AUTO_MAP = ("AutoConfig", "AutoModel", "AutoModelForCausalLM")
 MODELING_FILES = ("configuration_fiber_bundle.py", "modeling_fiber_bundle.py", "fiber_attention.py")
 # never uploaded: training checkpoints, optimiser / scheduler / RNG states, pickles, hidden files
 IGNORE_PATTERNS = ["checkpoints/*", "checkpoint-*/*", "optimizer.pt", "scheduler.pt", "rng_state*", "*.bin", "*.pth",
                    ".*", "*/.*", "training_args.bin"]
-
-FRESH_LOAD = textwrap.dedent(
-    """
-    import importlib.abc, sys
-    class Block(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in ("modeling_fiber_bundle", "fiber_bundle"):
-                raise ImportError(name)
-    sys.meta_path.insert(0, Block())
-    from transformers import AutoModelForCausalLM
-    AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)
-    """
-)
-
 
 class PublishError(RuntimeError):
     """Publishing cannot proceed; the message names the problem and the fix."""
@@ -51,10 +36,12 @@ def check_folder(folder: str | Path, *, load: bool = True) -> list[str]:
     if list(folder.glob("*.bin")) or list(folder.glob("*.pt")):
         problems.append("pickled weights (.bin / .pt) present: publish safetensors only")
     if load and not problems:
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        env["HF_HUB_OFFLINE"] = "1"
-        result = subprocess.run([sys.executable, "-c", FRESH_LOAD, str(folder.resolve())], capture_output=True,
-                                text=True, env=env, cwd=folder, stdin=subprocess.DEVNULL)
+        with tempfile.TemporaryDirectory() as scratch:
+            result = run_without_project(
+                "from transformers import AutoModelForCausalLM\n"
+                "AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)\n",
+                folder.resolve(), cwd=scratch,
+            )
         if result.returncode != 0:
             problems.append(f"does not load with trust_remote_code in a fresh process: {result.stderr[-800:]}")
     return problems
