@@ -31,8 +31,12 @@ def _convert(args) -> int:
         print("fiber-bundle convert: interrupted; nothing was written to OUTPUT.", file=sys.stderr)
         return 130
     print(f"converted {args.source} ({result.source_family}) -> {result.output} in {result.seconds:.1f} s")
-    report = result.report
-    if report is None:
+    report = result.report or {}
+    if "metric_rank_choice" in report:
+        choice = report["metric_rank_choice"]
+        print(f"  metric rank {choice['metric_rank']} chosen automatically: {choice['rule']} "
+              f"(median {choice['median_text_energy_rank']:.1f})")
+    if "parity" not in report:
         print("  parity: not checked (--no-verify)")
         return 0
     parity, params = report["parity"], report["parameters"]
@@ -49,7 +53,8 @@ def _train(args) -> int:
         result = run_training(
             args.model, args.output, data=args.data, eval_data=args.eval_data, mode=args.mode,
             block_size=args.block_size, max_steps=args.max_steps, learning_rate=args.learning_rate,
-            batch_size=args.batch_size, seed=args.seed, lora_r=args.lora_r, curvature_weight=args.curvature_weight,
+            batch_size=args.batch_size, seed=args.seed, lora_r=args.lora_r,
+            metric_learning_rate=args.metric_learning_rate, curvature_weight=args.curvature_weight,
             torsion_weight=args.torsion_weight, report_to=args.report_to,
             **({"save_strategy": "steps", "save_steps": args.save_steps} if args.save_steps else {}),
             resume_from_checkpoint=True if args.resume else None, base_model_id=args.base_model_id,
@@ -77,6 +82,15 @@ def _publish(args) -> int:
     return 0
 
 
+def _rank_or_auto(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {value!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fiber-bundle", description="Fiber Bundle Transformers tools.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -86,7 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     convert.add_argument("source", help="a checkpoint folder, a Hub model id (OWNER/NAME) or a .gguf file")
     convert.add_argument("output", help="the folder to write (must be absent or empty unless --overwrite)")
-    convert.add_argument("--metric-rank", type=int, default=2, help="rank r of each token's attention metric")
+    convert.add_argument("--metric-rank", type=_rank_or_auto, default=2,
+                         help="rank r of each token's attention metric, or 'auto': the median intrinsic rank of the "
+                              "source's attention logits on calibration text (recorded in conversion_report.json)")
     convert.add_argument("--metric-hidden", type=int, default=64, help="width m of the fibre code")
     convert.add_argument("--ffn-metric-rank", type=int, default=None,
                          help="rank of the MLP preconditioner (default: --metric-rank; 0 turns it off)")
@@ -123,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--batch-size", type=int, default=8, help="blocks per device and step")
     train.add_argument("--seed", type=int, default=0, help="random seed")
     train.add_argument("--lora-r", type=int, default=8, help="LoRA rank (--mode lora)")
+    train.add_argument("--metric-learning-rate", type=float, default=None,
+                       help="learning rate of the metric (fiber) parameters, when it should differ from "
+                            "--learning-rate (e.g. --mode lora --learning-rate 1e-3 --metric-learning-rate 2e-2)")
     train.add_argument("--curvature-weight", type=float, default=None, help="weight of the curvature regulariser")
     train.add_argument("--torsion-weight", type=float, default=None, help="weight of the torsion regulariser")
     train.add_argument("--report-to", nargs="*", default=[], help="Trainer integrations to log to (e.g. tensorboard)")
@@ -146,6 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
     publish.add_argument("--revision", default=None, help="branch to upload to (default: main)")
     publish.add_argument("--dry-run", action="store_true", help="check and render the card only; no network access")
     publish.set_defaults(handler=_publish)
+
+    from fiber_bundle.analysis.cli import add_analyze_parser
+
+    add_analyze_parser(commands)
     return parser
 
 

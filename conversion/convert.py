@@ -183,18 +183,29 @@ def meta_model(config: FiberBundleConfig) -> FiberBundleForCausalLM:
         return FiberBundleForCausalLM(config)
 
 
+def init_geometry(model: FiberBundleForCausalLM, seed: int) -> None:
+    """(Re)initialise every layer's ``fiber`` module in place at its graft values (gates 0, generators random), with
+    the model's own _init_weights: the model then computes its backbone's function again."""
+    torch.manual_seed(seed)
+    for layer in model.model.layers:
+        fiber = getattr(layer, "fiber", None)
+        if fiber is not None:
+            if fiber.code_proj.weight.is_meta:
+                fiber.to_empty(device="cpu")
+            for param in fiber.parameters():  # why: transformers' init functions skip tensors flagged as loaded
+                param._is_hf_initialized = False
+            model._init_weights(fiber)
+
+
 def new_parameters(model: FiberBundleForCausalLM, seed: int) -> dict[str, torch.Tensor]:
     """The ``fiber`` parameters of every layer at their graft values, initialised by the model's own _init_weights."""
-    torch.manual_seed(seed)
+    init_geometry(model, seed)
     tensors = {}
     for i, layer in enumerate(model.model.layers):
         fiber = getattr(layer, "fiber", None)
-        if fiber is None:
-            continue
-        fiber.to_empty(device="cpu")
-        model._init_weights(fiber)
-        for name, value in fiber.state_dict().items():
-            tensors[f"model.layers.{i}.fiber.{name}"] = value.detach().clone()
+        if fiber is not None:
+            for name, value in fiber.state_dict().items():
+                tensors[f"model.layers.{i}.fiber.{name}"] = value.detach().clone()
     return tensors
 
 
@@ -284,7 +295,7 @@ def convert_checkpoint(
     source: str | Path,
     output: str | Path,
     *,
-    metric_rank: int = 2,
+    metric_rank: int | str = 2,
     metric_hidden: int = 64,
     ffn_metric_rank: int | None = None,
     gguf_file: str | None = None,
@@ -304,6 +315,8 @@ def convert_checkpoint(
         source: a local checkpoint folder (single or sharded safetensors), a Hub model id, or a .gguf file.
         output: the folder to write; refused if it exists and is not empty, unless ``overwrite``.
         metric_rank, metric_hidden, ffn_metric_rank: the geometry (``ffn_metric_rank`` defaults to ``metric_rank``).
+            ``metric_rank="auto"`` picks r from the intrinsic rank of the source's attention logits on calibration
+            text (``analysis.probes.suggest_metric_rank``) and records the figures in conversion_report.json.
         gguf_file: the GGUF file name inside the ``source`` folder (or Hub repo).
         dtype: "float32", "bfloat16" or "float16"; default: keep the source's dtype.
         max_shard_size: largest output shard, e.g. "500MB".
@@ -324,6 +337,11 @@ def convert_checkpoint(
         raise ConversionError(f"--dtype {dtype!r} is not one of {sorted(DTYPES)}.")
     max_bytes = parse_size(max_shard_size)
     src = open_source(source, gguf_file=gguf_file, allow_pickle=allow_pickle)
+    rank_choice = None
+    if metric_rank == "auto":
+        metric_rank, rank_choice = _auto_metric_rank(src)
+    elif not isinstance(metric_rank, int):
+        raise ConversionError(f"--metric-rank must be an integer >= 0 or 'auto', got {metric_rank!r}.")
     geometry = dict(metric_rank=metric_rank, metric_hidden=metric_hidden,
                     ffn_metric_rank=metric_rank if ffn_metric_rank is None else ffn_metric_rank)
     try:
@@ -350,8 +368,11 @@ def convert_checkpoint(
             from .verify import verify_conversion
 
             report = verify_conversion(src, staging, seconds=time.perf_counter() - started)
+        if rank_choice is not None:  # why r was chosen travels with the model
+            report = {**(report or {}), "metric_rank_choice": rank_choice}
+        if report is not None:
             (staging / "conversion_report.json").write_text(json.dumps(report, indent=2) + "\n")
-            if not report["parity"]["passed"]:
+            if "parity" in report and not report["parity"]["passed"]:
                 raise ConversionError(f"parity check failed: {report['parity']['summary']}")
         write_model_card(staging, config=config, source=str(source), family=src.family, report=report,
                          base_model=base_model or _hub_id(source, src), license=license or _source_license(src),
@@ -361,6 +382,20 @@ def convert_checkpoint(
         shutil.rmtree(staging, ignore_errors=True)  # nothing half-written is left behind, whatever happened
         raise
     return ConversionResult(output, config, src.family, time.perf_counter() - started, report)
+
+
+def _auto_metric_rank(src: Source) -> tuple[int, dict]:
+    """Load the source once and pick r from its attention logits (``verify.auto_metric_rank``)."""
+    from .verify import auto_metric_rank
+
+    fp32_bytes = 4 * sum(src.shard_bytes) // _bytes_per_value(src)
+    if fp32_bytes > _available_memory():
+        raise ConversionError(f"--metric-rank auto runs the source (about {fp32_bytes / 2**30:.1f} GiB in float32), "
+                              "more than this machine has available; pass an integer --metric-rank instead.")
+    rank, choice = auto_metric_rank(src)
+    print(f"--metric-rank auto: r = {rank} ({choice['rule']}: median {choice['median_text_energy_rank']:.1f})",
+          file=sys.stderr)
+    return rank, choice
 
 
 def _write_folder(src: Source, config: FiberBundleConfig, folder: Path, max_bytes: int, dtype, seed: int,

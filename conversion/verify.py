@@ -31,22 +31,41 @@ def _load_source(src, attn_implementation):
     return AutoModelForCausalLM.from_pretrained(src.folder, **kwargs).eval()
 
 
-def _calibration_ids(folder, vocab_size: int) -> torch.Tensor:
+def _calibration_ids(load_tokenizer, vocab_size: int, tokens: int = CALIBRATION_TOKENS) -> torch.Tensor:
+    """``tokens`` ids of calibration text from the tokenizer ``load_tokenizer()`` returns; random ids when there is no
+    usable tokenizer (tiny test checkpoints)."""
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)  # our own folder
-        ids = tokenizer(calibration_text()[:20000], return_tensors="pt").input_ids[:, :CALIBRATION_TOKENS]
+        ids = load_tokenizer()(calibration_text()[:20000], return_tensors="pt").input_ids[:, :tokens]
         if ids.shape[1] >= 32:
             return ids
-    except (OSError, ValueError, TypeError):  # a checkpoint without a usable tokenizer (tiny test models)
+    except (OSError, ValueError, TypeError):
         pass
     generator = torch.Generator().manual_seed(0)
-    return torch.randint(0, vocab_size, (1, CALIBRATION_TOKENS), generator=generator)
+    return torch.randint(0, vocab_size, (1, tokens), generator=generator)
+
+
+def _source_tokenizer(src):
+    if src.gguf is not None:
+        folder, filename = src.gguf
+        return AutoTokenizer.from_pretrained(folder, gguf_file=filename)
+    return AutoTokenizer.from_pretrained(src.folder)
+
+
+def auto_metric_rank(src, tokens: int = 256) -> tuple[int, dict]:
+    """``--metric-rank auto``: the rank ``fiber_bundle.analysis.probes.suggest_metric_rank`` picks from the intrinsic
+    rank of the source's attention logits on calibration text, and the figures behind the choice."""
+    from fiber_bundle.analysis.probes import suggest_metric_rank
+
+    source = _load_source(src, "sdpa")
+    ids = _calibration_ids(lambda: _source_tokenizer(src), source.config.vocab_size, tokens)
+    return suggest_metric_rank(source, ids)
 
 
 def verify_conversion(src, folder, seconds: float) -> dict:
     """Run source and converted model on calibration text; return the conversion report (a JSON-able dict)."""
     converted = FiberBundleForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    ids = _calibration_ids(folder, converted.config.vocab_size)
+    ids = _calibration_ids(lambda: AutoTokenizer.from_pretrained(folder, trust_remote_code=True),  # our own folder
+                           converted.config.vocab_size)
     source = _load_source(src, "sdpa")  # loaded once; its eager run switches the attention implementation in place
     with torch.no_grad():
         got = converted(ids).logits

@@ -23,6 +23,8 @@ def gate_values(model) -> dict[str, float]:
 
 def probe_geometry(model, probe_ids: torch.Tensor) -> dict[str, float]:
     """Mean (over layers) curvature, torsion and anisotropy proxies of ``model`` on ``probe_ids``, without gradient."""
+    if getattr(model.config, "model_type", None) != "fiber_bundle":  # a plain backbone (e.g. LoRA on the source)
+        return {}
     was_training = model.training
     model.eval()
     with torch.no_grad():

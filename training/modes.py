@@ -22,8 +22,8 @@ def prepare_for_training(model, mode: str, *, lora_r: int = 8, lora_alpha: int =
         for p in model.parameters():
             p.requires_grad_(True)
         return model
+    geometry = model.geometry_parameters() if hasattr(model, "geometry_parameters") else []  # a plain backbone: none
     if mode == "metric-only":
-        geometry = model.geometry_parameters()
         if not geometry:
             raise ValueError("metric-only training needs a model with a metric (metric_rank or ffn_metric_rank > 0).")
         for p in model.parameters():
@@ -35,9 +35,14 @@ def prepare_for_training(model, mode: str, *, lora_r: int = 8, lora_alpha: int =
 
     config = LoraConfig(
         r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=LORA_TARGET_MODULES,
-        modules_to_save=["fiber"] if model.geometry_parameters() else None, task_type="CAUSAL_LM",
+        modules_to_save=["fiber"] if geometry else None, task_type="CAUSAL_LM",
     )
     return get_peft_model(model, config)
+
+
+def is_geometry_parameter(name: str) -> bool:
+    """Whether a parameter name (of a model or its PEFT wrapper) belongs to a layer's ``fiber`` module."""
+    return ".fiber." in f".{name}"
 
 
 def trainable_parameter_names(model: torch.nn.Module) -> list[str]:

@@ -5,11 +5,11 @@ import shutil
 from pathlib import Path
 
 import torch
-from transformers import TrainingArguments, default_data_collator
+from transformers import TrainingArguments, default_data_collator, set_seed
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from .geometry_logging import GeometryLoggingTrainer
-from .modes import prepare_for_training
+from .modes import is_geometry_parameter, prepare_for_training
 
 
 def train_model(
@@ -24,6 +24,7 @@ def train_model(
     batch_size: int = 8,
     seed: int = 0,
     lora_r: int = 8,
+    metric_learning_rate: float | None = None,
     probe_ids=None,
     resume_from_checkpoint: str | bool | None = None,
     quiet: bool = False,
@@ -38,6 +39,8 @@ def train_model(
         mode: "full", "metric-only" or "lora" (see ``training.modes``).
         max_steps, learning_rate, batch_size, seed: the usual TrainingArguments.
         lora_r: LoRA rank in "lora" mode.
+        metric_learning_rate: learning rate of the ``fiber`` (metric) parameters when it should differ from
+            ``learning_rate`` (e.g. LoRA at 1e-3 with the metric at 2e-2); same schedule, AdamW for both groups.
         probe_ids: a small fixed batch on which the geometry proxies are logged with the loss (default: the first
             training block).
         resume_from_checkpoint: True (the last checkpoint in ``output_dir``) or a checkpoint folder to resume from.
@@ -45,6 +48,7 @@ def train_model(
         training_args: any further ``TrainingArguments`` field (report_to, save_steps, bf16, ...).
     Returns the Trainer after training (its ``model`` is what was trained, a PeftModel in "lora" mode).
     """
+    set_seed(seed)  # why: LoRA's A matrices are drawn in prepare_for_training, before the Trainer seeds anything
     model = prepare_for_training(model, mode, lora_r=lora_r)
     args = TrainingArguments(
         output_dir=str(output_dir),
@@ -61,13 +65,27 @@ def train_model(
     )
     if probe_ids is None and len(train_dataset):
         probe_ids = torch.tensor(train_dataset[:1]["input_ids"])
+    optimizers = (None, None)
+    if metric_learning_rate is not None:
+        optimizers = (_two_rate_adamw(model, args, metric_learning_rate), None)  # the Trainer adds its scheduler
     trainer = GeometryLoggingTrainer(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                                     data_collator=default_data_collator, probe_ids=probe_ids)
+                                     data_collator=default_data_collator, probe_ids=probe_ids, optimizers=optimizers)
     if quiet:
         for callback in (PrinterCallback, ProgressCallback):
             trainer.remove_callback(callback)
     trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     return trainer
+
+
+def _two_rate_adamw(model, args: TrainingArguments, metric_learning_rate: float) -> torch.optim.AdamW:
+    """AdamW with the Trainer's hyper-parameters, the metric parameters in their own group at their own rate."""
+    metric, rest = [], []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            (metric if is_geometry_parameter(name) else rest).append(param)
+    groups = [{"params": rest, "lr": args.learning_rate}, {"params": metric, "lr": metric_learning_rate}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], betas=(args.adam_beta1, args.adam_beta2),
+                             eps=args.adam_epsilon, weight_decay=args.weight_decay)
 
 
 def evaluation_loss(model, dataset, batch_size: int = 8) -> float:
@@ -97,6 +115,7 @@ def run_training(
     batch_size: int = 8,
     seed: int = 0,
     lora_r: int = 8,
+    metric_learning_rate: float | None = None,
     curvature_weight: float | None = None,
     torsion_weight: float | None = None,
     base_model_id: str | None = None,
@@ -110,7 +129,8 @@ def run_training(
             checkpoints go to ``output/checkpoints``.
         data, eval_data: local files or a Hub dataset name (``training.data.load_source``); without ``data`` the
             standard library's pydoc topics are used, split by topic into train and eval.
-        mode, block_size, max_steps, learning_rate, batch_size, seed, lora_r: as in ``train_model``.
+        mode, block_size, max_steps, learning_rate, batch_size, seed, lora_r, metric_learning_rate: as in
+            ``train_model``.
         curvature_weight, torsion_weight: geometry regulariser weights (default: the model config's).
         base_model_id: in "lora" mode, the Hub id of the base (the Fiber Bundle model the adapter applies to) recorded
             in adapter_config.json; default: ``model_path``.
@@ -140,7 +160,7 @@ def run_training(
     output = Path(output)
     trainer = train_model(model, train_set, output / "checkpoints", mode=mode, eval_dataset=eval_set,
                           max_steps=max_steps, learning_rate=learning_rate, batch_size=batch_size, seed=seed,
-                          lora_r=lora_r, **training_args)
+                          lora_r=lora_r, metric_learning_rate=metric_learning_rate, **training_args)
     after = evaluation_loss(trainer.model, eval_set, batch_size) if eval_set is not None else None
     if mode == "lora" and base_model_id:  # an adapter published on the Hub must name its base by Hub id
         for peft_config in trainer.model.peft_config.values():

@@ -1,0 +1,192 @@
+"""``fiber-bundle analyze``: the measurements of DESIGN.md section 4, each a thin command over this package's functions.
+Every subcommand writes a JSON file of figures and a PNG plot into --out."""
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _compare(args) -> int:
+    from .compare import run_compare
+
+    results = run_compare(args.converted, args.source, args.out, gguf_file=args.gguf_file, seeds=args.seeds,
+                          arms=args.arms, max_steps=args.max_steps, batch_size=args.batch_size,
+                          block_size=args.block_size, metric_learning_rate=args.metric_learning_rate,
+                          lora_learning_rate=args.lora_learning_rate, lora_r=args.lora_r,
+                          max_eval_blocks=args.eval_blocks)
+    print(f"token budget {results['budget']['tokens']:,} per run; LoRA rank {results['lora_r']} "
+          f"(metric parameters {results['metric_parameters']:,})")
+    for arm, row in results["summary"].items():
+        print(f"  {arm:12s} eval loss {row['eval_loss_before']:.4f} -> {row['eval_loss_after_mean']:.4f} "
+              f"± {row['eval_loss_after_std']:.4f} ({row['seeds']} seeds, {row['trainable_parameters']:,} trainable, "
+              f"{row['train_seconds_mean']:.0f} s)")
+    print(f"-> {Path(args.out) / 'compare.json'}, {Path(args.out) / 'compare.png'}")
+    return 0
+
+
+def _collapse(args) -> int:
+    from .reports import run_collapse
+    from .stacks import StackSpec
+
+    spec = StackSpec(width=args.width, heads=args.heads, depth=args.depth, tokens=args.tokens,
+                     metric_rank=args.metric_rank, code_width=args.code_width)
+    results = run_collapse(args.out, models=args.models, labels=args.labels, samples=args.samples, length=args.length,
+                           seeds=range(args.seeds), spec=spec, alphas=args.alphas, threshold=args.threshold,
+                           stacks=not args.no_stacks)
+    for stack in results["stacks"]:
+        print(stack["title"])
+        for label, variant in stack["variants"].items():
+            depth = variant["depth_below_threshold_summary"]
+            reached = f"{depth['mean']:.2f} ± {depth['std']:.2f}" if depth["count"] else "never"
+            print(f"  {label:26s} depth where residual < {args.threshold:g}: {reached} "
+                  f"({variant['seeds_reaching_threshold']}/{len(stack['seeds'])} seeds); "
+                  f"final residual {variant['per_depth'][-1]['mean']:.2e}")
+    for label, curve in results["models"].items():
+        print(f"{label}: residual entering layer 0 / last layer / after it: {curve['per_depth'][0]['mean']:.3g} / "
+              f"{curve['per_depth'][-2]['mean']:.3g} / {curve['per_depth'][-1]['mean']:.3g}")
+    print(f"{results['seconds']:.0f} s -> {Path(args.out) / 'collapse.json'}, {Path(args.out) / 'collapse.png'}")
+    return 0
+
+
+def _intrinsic_rank(args) -> int:
+    from .reports import run_intrinsic_rank
+
+    results = run_intrinsic_rank(args.out, args.models, labels=args.labels, samples=args.samples, length=args.length,
+                                 threshold=args.threshold, rtol=args.rtol)
+    for label, rank in results["models"].items():
+        s = rank["summary"]
+        print(f"{label} (d = {rank['head_dim']}): logits on text {s['text_energy_rank']['mean']:.1f} "
+              f"[{s['text_energy_rank']['min']:.1f}, {s['text_energy_rank']['max']:.1f}], W_Q^T W_K "
+              f"{s['interaction_energy_rank']['mean']:.1f}, score numerical rank {s['score_numerical_rank']['mean']:.1f} "
+              f"(max {s['score_numerical_rank']['max']:.0f}); {s['heads_above_gram_bound']}/{s['heads']} heads above "
+              f"the Gram bound d + 1")
+    print(f"{results['seconds']:.0f} s -> {Path(args.out) / 'intrinsic_rank.json'}, "
+          f"{Path(args.out) / 'intrinsic_rank.png'}")
+    return 0
+
+
+def _geometry(args) -> int:
+    from .reports import run_geometry
+
+    results = run_geometry(args.out, args.models, labels=args.labels, samples=args.samples, length=args.length,
+                           eps_values=args.eps, norm_layers=args.norm_layers)
+    for label, report in results["models"].items():
+        if report["proxies"]:
+            means = ", ".join(f"{k} {sum(v) / len(v):.3g}" for k, v in report["proxies"].items())
+            print(f"{label}: layer means {means}")
+        for name, norm in report["rmsnorm_lipschitz"].items():
+            fit = norm["worst_case_fit"]
+            print(f"  {name} RMSNorm Lipschitz vs eps: worst case exponent {fit['exponent']:.4f} (R² {fit['r2']:.4f}), "
+                  f"at real tokens {norm['on_data_fit']['exponent']:.4f} (R² {norm['on_data_fit']['r2']:.3f})")
+        entropy = report["attention_entropy"]
+        print(f"  attention entropy (mean over layers) at context {entropy['bins'][-1]}: "
+              f"{entropy['mean_over_layers'][-1]:.3f} nats (uniform {entropy['uniform'][-1]:.3f})")
+    print(f"{results['seconds']:.0f} s -> {Path(args.out) / 'geometry.json'}, {Path(args.out) / 'geometry.png'}")
+    return 0
+
+
+def _model_arguments(parser, *, required: bool) -> None:
+    parser.add_argument("models", nargs="+" if required else "*",
+                        help="models to measure: Fiber Bundle folders, transformers checkpoint folders, Hub ids or "
+                             ".gguf files")
+    parser.add_argument("--labels", nargs="+", default=None, help="a name per model for the figures (default: folder)")
+    parser.add_argument("--samples", type=int, default=4, help="windows of sample text (pydoc topics)")
+    parser.add_argument("--length", type=int, default=512, help="tokens per window")
+    parser.add_argument("--out", required=True, help="folder for the JSON figures and the PNG plot")
+
+
+def add_analyze_parser(commands) -> None:
+    """Register ``analyze`` and its subcommands on the ``fiber-bundle`` parser's subparsers."""
+    analyze = commands.add_parser(
+        "analyze", help="measure rank collapse, intrinsic rank and the geometry; compare with LoRA",
+        description="Measurements of the open problem (rank collapse), each writing JSON figures and a PNG plot.",
+    )
+    sub = analyze.add_subparsers(dest="analysis", required=True)
+
+    collapse = sub.add_parser(
+        "collapse", help="relative residual ||X - 1x^T||/||X|| per layer: pure-attention stacks and real models",
+        description="(a) Pure-attention stacks (no MLP, no norm; with and without skip connections, bidirectional and "
+                    "causal) at random initialisation, Euclidean vs Riemannian attention over many seeds; (b) MODELS on "
+                    "real text. Without MODELS only (a) runs.",
+    )
+    _model_arguments(collapse, required=False)
+    collapse.add_argument("--seeds", type=int, default=20, help="random stacks per configuration")
+    collapse.add_argument("--depth", type=int, default=32, help="layers of each stack")
+    collapse.add_argument("--width", type=int, default=64, help="model width D of the stacks")
+    collapse.add_argument("--heads", type=int, default=4, help="attention heads of the stacks")
+    collapse.add_argument("--tokens", type=int, default=32, help="tokens per stack input")
+    collapse.add_argument("--metric-rank", type=int, default=2, help="metric rank r of the Riemannian stacks")
+    collapse.add_argument("--code-width", type=int, default=16, help="fibre code width m of the Riemannian stacks")
+    collapse.add_argument("--alphas", type=float, nargs="+", default=[1.0, 10.0, 100.0],
+                          help="metric gates alpha of the Riemannian stacks (G = I + alpha U U^T)")
+    collapse.add_argument("--threshold", type=float, default=1e-3,
+                          help="report the first depth at which the residual falls below this")
+    collapse.add_argument("--no-stacks", action="store_true", help="measure only MODELS, not the random stacks")
+    collapse.set_defaults(handler=_run(_collapse))
+
+    rank = sub.add_parser(
+        "intrinsic-rank", help="energy effective rank of attention logits and W_Q^T W_K; numerical rank of scores",
+        description="Per layer and head, in float64: the energy effective rank of the row-centred pre-softmax logit "
+                    "matrix on sample text and of W_Q^T W_K, and the numerical rank of the score matrix (a dot-product "
+                    "head is a Gram matrix of rank <= d; a heterogeneous metric exceeds d + 1).",
+    )
+    _model_arguments(rank, required=True)
+    rank.add_argument("--threshold", type=float, default=0.9, help="energy fraction of the effective rank")
+    rank.add_argument("--rtol", type=float, default=1e-10, help="relative tolerance of the numerical rank")
+    rank.set_defaults(handler=_run(_intrinsic_rank))
+
+    geometry = sub.add_parser(
+        "geometry", help="curvature / torsion / anisotropy per layer, RMSNorm Lipschitz vs eps, attention entropy",
+        description="Connection proxies per layer (Fiber Bundle models), RMSNorm's Lipschitz constant versus eps "
+                    "with the fitted exponent and R^2 (prediction -1/2), and attention entropy versus context length.",
+    )
+    _model_arguments(geometry, required=True)
+    geometry.add_argument("--eps", type=float, nargs="+", default=None,
+                          help="RMSNorm eps values of the sweep (default: 10 values from 1e-10 to 1e-1)")
+    geometry.add_argument("--norm-layers", type=int, nargs="+", default=None,
+                          help="layers whose input RMSNorm is swept (default: first, middle, last; the final norm "
+                               "always)")
+    geometry.set_defaults(handler=_run(_geometry))
+
+    compare = sub.add_parser(
+        "compare", help="metric-only training vs equal-parameter LoRA on the source vs LoRA + metric",
+        description="Train each arm on the same token budget of pydoc topics with several seeds; report held-out "
+                    "eval loss (mean ± std), wall time and the geometry at the end.",
+    )
+    compare.add_argument("converted", help="a Fiber Bundle folder converted from SOURCE")
+    compare.add_argument("source", help="the unconverted checkpoint: a folder, a Hub id or a .gguf file")
+    compare.add_argument("--out", required=True, help="folder for compare.json and compare.png")
+    compare.add_argument("--gguf-file", default=None, help="GGUF file name inside SOURCE when SOURCE is a folder")
+    compare.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="training seeds")
+    compare.add_argument("--arms", nargs="+", default=["metric-only", "lora-source", "lora+metric"],
+                         choices=["metric-only", "lora-source", "lora+metric"], help="which arms to run")
+    compare.add_argument("--max-steps", type=int, default=16, help="optimiser steps per run")
+    compare.add_argument("--batch-size", type=int, default=8, help="blocks per step")
+    compare.add_argument("--block-size", type=int, default=256, help="tokens per block")
+    compare.add_argument("--metric-learning-rate", type=float, default=2e-2, help="learning rate of the metric")
+    compare.add_argument("--lora-learning-rate", type=float, default=1e-3, help="learning rate of the LoRA weights")
+    compare.add_argument("--lora-r", type=int, default=None,
+                         help="LoRA rank (default: the rank that trains as many parameters as the metric)")
+    compare.add_argument("--eval-blocks", type=int, default=None,
+                         help="score on the first N held-out blocks only (default: all)")
+    compare.set_defaults(handler=_run(_compare))
+
+
+def _run(handler):
+    """Clear one-line errors for bad input (missing files, invalid values) instead of a traceback."""
+
+    def wrapped(args) -> int:
+        try:
+            return handler(args)
+        except (ValueError, FileNotFoundError, OSError) as error:
+            print(f"fiber-bundle analyze {args.analysis}: error: {error}", file=sys.stderr)
+            return 1
+
+    return wrapped
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fiber-bundle")
+    add_analyze_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.handler(args)

@@ -1,0 +1,120 @@
+"""The measures, as small pure functions on tensors with known answers (each is tested on constructed inputs).
+
+- ``relative_residual``: Dong et al. (2021)'s rank-collapse residual, ||X - 1 x^T|| / ||X|| with x the best constant row.
+- ``energy_effective_rank``: the number of singular directions holding a fraction of a matrix's energy (sum of sigma^2),
+  the intrinsic-rank measure of attention logit fields (arXiv:2604.04384 uses 90 %).
+- ``numerical_rank``: singular values above a relative tolerance (the non-Gram check of DESIGN 1.2).
+- ``fit_power_law``: y = c x^p fitted in log-log space, with its R^2 (the RMSNorm Lipschitz exponent).
+- ``rmsnorm_lipschitz``: the largest spectral norm of RMSNorm's Jacobian over a set of inputs, by autograd.
+- ``attention_entropy``: entropy of each row of attention probabilities.
+"""
+
+import math
+
+import torch
+
+
+def relative_residual(x: torch.Tensor) -> torch.Tensor:
+    """||X - 1 x^T||_F / ||X||_F for X (..., n, D); x is the mean row, the constant row closest to X in Frobenius norm.
+
+    0 exactly when every token holds the same vector (rank collapse); sqrt((n-1)/n) for an n x n orthogonal X.
+    Returns (...). Computed in float64 so that values far below float32's 1e-7 stay measurable.
+    """
+    x = x.to(torch.float64)
+    centred = x - x.mean(dim=-2, keepdim=True)  # X - 1 x^T: (..., n, D)
+    return torch.linalg.matrix_norm(centred) / torch.linalg.matrix_norm(x).clamp_min(torch.finfo(x.dtype).tiny)
+
+
+def first_depth_below(curve, threshold: float) -> int | None:
+    """The first index (layer) at which ``curve`` falls below ``threshold``; None if it never does."""
+    for depth, value in enumerate(curve):
+        if value < threshold:
+            return depth
+    return None
+
+
+def singular_values(matrix: torch.Tensor) -> torch.Tensor:
+    """Singular values (descending) of (..., m, n), in float64."""
+    return torch.linalg.svdvals(matrix.to(torch.float64))
+
+
+def energy_effective_rank(matrix: torch.Tensor | None = None, *, threshold: float = 0.9,
+                          singular: torch.Tensor | None = None) -> torch.Tensor:
+    """The smallest k such that the top k singular values hold ``threshold`` of sum(sigma^2); per matrix of (..., m, n)
+    (or from precomputed ``singular`` values (..., k)). A zero matrix has rank 0. Returns an integer tensor (...)."""
+    if not 0 < threshold <= 1:
+        raise ValueError(f"threshold must be in (0, 1], got {threshold}.")
+    sigma = singular_values(matrix) if singular is None else singular.to(torch.float64)
+    energy = sigma.pow(2).cumsum(-1)  # (..., k)
+    total = energy[..., -1:]
+    # why the slack: a matrix of k equal singular values must read k at threshold 1, despite rounding in the cumsum
+    reached = energy >= threshold * total * (1 - 1e-12)
+    rank = torch.argmax(reached.to(torch.int8), dim=-1) + 1  # first index where the threshold is reached
+    return torch.where(total[..., 0] > 0, rank, torch.zeros_like(rank))
+
+
+def numerical_rank(matrix: torch.Tensor | None = None, *, rtol: float = 1e-10,
+                   singular: torch.Tensor | None = None) -> torch.Tensor:
+    """Number of singular values above ``rtol`` x the largest, per matrix of (..., m, n). Compute the matrix in float64
+    when the rank is to be read at rtol 1e-10 (float32 rounding alone fills the spectrum at ~1e-7)."""
+    sigma = singular_values(matrix) if singular is None else singular.to(torch.float64)
+    return (sigma > rtol * sigma[..., :1]).sum(-1)
+
+
+def centre_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Subtract each row's mean: softmax ignores a per-row constant, so this is the part of the logits that matters."""
+    return logits - logits.mean(dim=-1, keepdim=True)
+
+
+def attention_entropy(probs: torch.Tensor) -> torch.Tensor:
+    """Shannon entropy (nats) of each row of probabilities (..., n_keys) -> (...); zero probabilities contribute 0."""
+    p = probs.to(torch.float64)
+    return -(p * torch.log(torch.where(p > 0, p, torch.ones_like(p)))).sum(-1)
+
+
+def fit_power_law(x, y) -> dict:
+    """Least-squares fit of log y = p log x + log c. Returns exponent p, prefactor c and R^2 of the log-log fit."""
+    lx = torch.log(torch.as_tensor(x, dtype=torch.float64))
+    ly = torch.log(torch.as_tensor(y, dtype=torch.float64))
+    if lx.numel() < 2:
+        raise ValueError("a power-law fit needs at least two points.")
+    design = torch.stack([lx, torch.ones_like(lx)], dim=-1)  # (k, 2)
+    solution = torch.linalg.lstsq(design, ly[:, None]).solution[:, 0]
+    predicted = design @ solution
+    ss_res = (ly - predicted).pow(2).sum()
+    ss_tot = (ly - ly.mean()).pow(2).sum()
+    r2 = 1.0 - (ss_res / ss_tot).item() if ss_tot > 0 else float("nan")
+    return {"exponent": solution[0].item(), "prefactor": math.exp(solution[1].item()), "r2": r2}
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as LLaMA-family models compute it: weight * x / sqrt(mean(x^2) + eps)."""
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def rmsnorm_lipschitz(weight: torch.Tensor, eps: float, inputs: torch.Tensor) -> torch.Tensor:
+    """Spectral norm of the Jacobian of ``rmsnorm(., weight, eps)`` at each input (k, D), by autograd (float64).
+
+    The supremum over all inputs, reached at x = 0, is max|w| / sqrt(eps): the eps^(-1/2) scaling. Returns (k,)."""
+    weight = weight.detach().to(torch.float64)
+    jacobians = torch.func.vmap(torch.func.jacrev(lambda v: rmsnorm(v, weight, eps)))(inputs.to(torch.float64))
+    return torch.linalg.matrix_norm(jacobians, ord=2)  # (k,)
+
+
+def lipschitz_probes(dim: int, *, scales=None, per_scale: int = 1, seed: int = 0) -> torch.Tensor:
+    """Inputs at magnitudes from 0 to 100 x unit RMS (random directions), where RMSNorm's Jacobian is largest near 0."""
+    scales = [0.0, *torch.logspace(-8, 2, 11).tolist()] if scales is None else scales
+    gen = torch.Generator().manual_seed(seed)
+    directions = torch.randn(len(scales) * per_scale, dim, generator=gen, dtype=torch.float64)
+    factors = torch.tensor(scales, dtype=torch.float64).repeat_interleave(per_scale)[:, None]
+    return directions * factors
+
+
+def summarise(values) -> dict:
+    """Mean, sample std (ddof 1), min and max of a list of numbers (None entries skipped)."""
+    data = [float(v) for v in values if v is not None]
+    if not data:
+        return {"mean": None, "std": None, "min": None, "max": None, "count": 0}
+    mean = sum(data) / len(data)
+    std = math.sqrt(sum((v - mean) ** 2 for v in data) / (len(data) - 1)) if len(data) > 1 else 0.0
+    return {"mean": mean, "std": std, "min": min(data), "max": max(data), "count": len(data)}

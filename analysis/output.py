@@ -1,0 +1,53 @@
+"""Writing results: JSON written atomically (a killed run never leaves half a file) and PNG figures (matplotlib,
+without a display)."""
+
+import json
+import math
+import os
+from pathlib import Path
+
+
+def _jsonable(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None  # JSON has no NaN / inf; a missing figure is null
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "tolist"):  # tensors and numpy arrays
+        return _jsonable(value.tolist())
+    return value
+
+
+def write_json(path: str | Path, data: dict) -> Path:
+    """Write ``data`` as JSON to ``path`` through a temporary file and a rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary.write_text(json.dumps(_jsonable(data), indent=2) + "\n")
+    temporary.replace(path)
+    return path
+
+
+def figure(ncols: int = 1, nrows: int = 1, width: float = 5.0, height: float = 3.6):
+    """A matplotlib figure and its axes (always a flat list), on the non-interactive Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, height * nrows), squeeze=False)
+    return fig, list(axes.flat)
+
+
+def save_figure(fig, path: str | Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.stem}.{os.getpid()}.tmp.png")
+    fig.tight_layout()
+    fig.savefig(temporary, dpi=110)
+    plt.close(fig)
+    temporary.replace(path)
+    return path

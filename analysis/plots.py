@@ -1,0 +1,147 @@
+"""The PNG figures of ``fiber-bundle analyze``: one function per subcommand, from its results dict."""
+
+import math
+from pathlib import Path
+
+from .output import figure, save_figure
+
+STYLES = {"euclidean": ("C0", "-"), "euclidean-distance": ("C2", "--"), "riemannian": ("C3", "-")}
+
+
+def _band(ax, depths, stats, color, style, label):
+    """Mean line and a mean ± std band of log10 values (stats: summaries of log10 residuals per depth)."""
+    mean = [10 ** s["mean"] for s in stats]
+    low = [10 ** (s["mean"] - s["std"]) for s in stats]
+    high = [10 ** (s["mean"] + s["std"]) for s in stats]
+    ax.plot(depths, mean, color=color, ls=style, label=label)
+    ax.fill_between(depths, low, high, color=color, alpha=0.15, lw=0)
+
+
+def plot_collapse(results: dict, path: str | Path) -> Path:
+    """One panel per stack configuration (residual vs depth, geometric mean ± std over seeds) and one for real models."""
+    stacks = results.get("stacks", [])
+    models = results.get("models", {})
+    panels = len(stacks) + (1 if models else 0)
+    ncols = min(3, max(1, panels))
+    fig, axes = figure(ncols=ncols, nrows=math.ceil(panels / ncols))
+    for ax, stack in zip(axes, stacks):
+        for i, (label, variant) in enumerate(stack["variants"].items()):
+            color, style = STYLES.get(variant["kind"], (f"C{i}", "-"))
+            if variant["kind"] == "riemannian":
+                color = f"C{3 + list(stack['variants']).index(label) % 6}"
+            depths = range(len(variant["log10_per_depth"]))
+            _band(ax, depths, variant["log10_per_depth"], color, style, label)
+        ax.axhline(results["threshold"], color="k", lw=0.6, ls=":")
+        ax.set_yscale("log")
+        ax.set_xlabel("layer")
+        ax.set_ylabel("‖X − 1xᵀ‖ / ‖X‖")
+        ax.set_title(stack["title"], fontsize=9)
+        ax.legend(fontsize=7)
+    if models:
+        ax = axes[len(stacks)]
+        for i, (label, curve) in enumerate(models.items()):
+            depths = range(len(curve["per_depth"]))
+            ax.errorbar(depths, [s["mean"] for s in curve["per_depth"]], yerr=[s["std"] for s in curve["per_depth"]],
+                        color=f"C{i}", label=f"{label}", capsize=2, lw=1)
+            ax.plot(depths, [s["mean"] for s in curve["per_depth_without_first_token"]], color=f"C{i}", ls=":",
+                    lw=1, label=f"{label} (without token 0)")
+        ax.set_yscale("log")
+        ax.set_xlabel("layer (residual stream entering it)")
+        ax.set_ylabel("‖X − 1xᵀ‖ / ‖X‖")
+        ax.set_title("real models on real text (mean ± std over samples)", fontsize=9)
+        ax.legend(fontsize=6)
+    for ax in axes[panels:]:
+        ax.axis("off")
+    return save_figure(fig, path)
+
+
+def plot_intrinsic_rank(results: dict, path: str | Path) -> Path:
+    """Per layer: median over heads of each rank measure, with the Gram bound d + 1, one column per model."""
+    models = results["models"]
+    fig, axes = figure(ncols=len(models))
+    for ax, (label, rank) in zip(axes, models.items()):
+        layers = range(len(rank["layers"]))
+        median = lambda values: sorted(values)[len(values) // 2]  # noqa: E731
+        for key, name, color in (("text_energy_rank", f"logits on text, energy {rank['threshold']:.0%}", "C0"),
+                                 ("interaction_energy_rank", f"W_Q^T W_K, energy {rank['threshold']:.0%}", "C1"),
+                                 ("score_numerical_rank", f"score matrix, numerical (rtol {rank['rtol']:g})", "C3")):
+            values = [layer[key] for layer in rank["layers"]]
+            ax.plot(layers, [median(v) for v in values], color=color, marker="o", ms=3, label=f"{name} (median)")
+            ax.fill_between(layers, [min(v) for v in values], [max(v) for v in values], color=color, alpha=0.12, lw=0)
+        ax.axhline(rank["head_dim"] + 1, color="k", lw=0.7, ls="--", label="Gram bound d + 1")
+        ax.set_yscale("log")
+        ax.set_xlabel("layer")
+        ax.set_ylabel("rank (band: min..max over heads)")
+        ax.set_title(f"{label}: {rank['samples']} x {rank['tokens']} tokens", fontsize=9)
+        ax.legend(fontsize=7)
+    return save_figure(fig, path)
+
+
+def plot_geometry(results: dict, path: str | Path) -> Path:
+    """Row per model: connection proxies per layer, RMSNorm Lipschitz constant vs eps, attention entropy vs context."""
+    models = results["models"]
+    fig, axes = figure(ncols=3, nrows=len(models))
+    for row, (label, report) in enumerate(models.items()):
+        ax_proxy, ax_lip, ax_ent = axes[3 * row : 3 * row + 3]
+        proxies = report["proxies"]
+        if proxies:
+            for i, (key, values) in enumerate(proxies.items()):
+                ax_proxy.plot(range(len(values)), [abs(v) for v in values], marker="o", ms=3, color=f"C{i}", label=key)
+            ax_proxy.set_yscale("symlog", linthresh=1e-6)
+            ax_proxy.legend(fontsize=7)
+        else:
+            ax_proxy.text(0.5, 0.5, "no metric (a plain backbone)", ha="center", va="center", transform=ax_proxy.transAxes)
+        ax_proxy.set_xlabel("layer")
+        ax_proxy.set_title(f"{label}: |connection proxies|", fontsize=9)
+        for i, (name, norm) in enumerate(report["rmsnorm_lipschitz"].items()):
+            fit = norm["worst_case_fit"]
+            ax_lip.plot(norm["eps"], norm["worst_case"], marker="o", ms=3, color=f"C{i}",
+                        label=f"{name} worst case: slope {fit['exponent']:.3f} (R² {fit['r2']:.3f})")
+            if "on_data" in norm:
+                ax_lip.plot(norm["eps"], norm["on_data"], ls=":", color=f"C{i}",
+                            label=f"{name} at real tokens: slope {norm['on_data_fit']['exponent']:.3f}")
+        ax_lip.set_xscale("log")
+        ax_lip.set_yscale("log")
+        ax_lip.set_xlabel("RMSNorm eps")
+        ax_lip.set_ylabel("Lipschitz constant")
+        ax_lip.set_title("RMSNorm Lipschitz constant vs eps (prediction: slope −1/2)", fontsize=9)
+        ax_lip.legend(fontsize=5)
+        entropy = report["attention_entropy"]
+        centres = [(lo + hi) / 2 for lo, hi in entropy["bins"]]
+        ax_ent.plot(centres, entropy["uniform"], color="k", ls="--", lw=0.8, label="uniform, log c")
+        ax_ent.plot(centres, entropy["mean_over_layers"], color="C0", marker="o", ms=3, label="mean over layers")
+        layers = entropy["per_layer"]
+        for j in sorted({0, len(layers) // 2, len(layers) - 1}):
+            ax_ent.plot(centres, layers[j], lw=0.8, alpha=0.7, label=f"layer {j}")
+        ax_ent.set_xscale("log")
+        ax_ent.set_xlabel("context length c")
+        ax_ent.set_ylabel("attention entropy (nats)")
+        ax_ent.set_title("attention entropy vs context length", fontsize=9)
+        ax_ent.legend(fontsize=7)
+    return save_figure(fig, path)
+
+
+def plot_compare(results: dict, path: str | Path) -> Path:
+    """Held-out eval loss per arm (every seed, mean ± std) and the mean training-loss curves."""
+    fig, (ax_loss, ax_curve) = figure(ncols=2)
+    summary = results["summary"]
+    for x, arm in enumerate(summary):
+        points = [r["eval_loss_after"] for r in results["runs"] if r["arm"] == arm]
+        ax_loss.scatter([x] * len(points), points, color="0.6", s=14, zorder=2)
+        ax_loss.errorbar([x], [summary[arm]["eval_loss_after_mean"]], yerr=[summary[arm]["eval_loss_after_std"]],
+                         fmt="o", color=f"C{x}", capsize=5, zorder=3)
+        curves = [r["train_loss"] for r in results["runs"] if r["arm"] == arm and r["train_loss"]]
+        if curves:
+            length = min(len(c) for c in curves)
+            mean = [sum(c[i] for c in curves) / len(curves) for i in range(length)]
+            ax_curve.plot(range(1, length + 1), mean, color=f"C{x}", label=f"{arm} ({summary[arm]['trainable_parameters']:,} params)")
+    before = next(iter(summary.values()))["eval_loss_before"]
+    ax_loss.axhline(before, color="k", lw=0.8, ls="--", label="before training")
+    ax_loss.set_xticks(range(len(summary)), list(summary), rotation=10)
+    ax_loss.set_ylabel("held-out eval loss (nats/token)")
+    ax_loss.set_title(f"after {results['budget']['tokens']:,} training tokens; mean ± std, {len(results['seeds'])} seeds")
+    ax_loss.legend(fontsize=8)
+    ax_curve.set_xlabel("step")
+    ax_curve.set_ylabel("training loss (mean over seeds)")
+    ax_curve.legend(fontsize=8)
+    return save_figure(fig, path)

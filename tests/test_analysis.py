@@ -1,0 +1,327 @@
+"""Analysis (DESIGN.md section 4): every measure on constructed inputs with known answers, the real-model probes
+against the models' own attention, and each ``fiber-bundle analyze`` subcommand end to end on tiny models."""
+
+import json
+import math
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from conftest import TINY, random_ids, set_gates, tiny_model
+from fiber_bundle.analysis import measures, probes
+from fiber_bundle.analysis.stacks import StackSpec, collapse_experiment, stack_residuals
+
+pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# measures with known answers
+# ----------------------------------------------------------------------------------------------------------------------
+def test_relative_residual_of_rank_one_and_orthogonal_matrices():
+    row = torch.randn(1, 16, dtype=torch.float64)
+    assert measures.relative_residual(row.expand(10, 16)).item() < 1e-15  # every token the same vector: collapsed
+    for n in (2, 7, 32):
+        q = torch.linalg.qr(torch.randn(n, n, dtype=torch.float64)).Q
+        assert measures.relative_residual(q).item() == pytest.approx(math.sqrt((n - 1) / n), rel=1e-12)
+    x = torch.randn(3, 9, 5, dtype=torch.float64)
+    assert torch.allclose(measures.relative_residual(7.5 * x), measures.relative_residual(x))  # scale-free, batched
+    # the mean row is the best constant row: any other constant row leaves a larger residual
+    other = x[0] - (x[0].mean(0) + 0.1)
+    assert measures.relative_residual(x[0]) < torch.linalg.matrix_norm(other) / torch.linalg.matrix_norm(x[0])
+
+
+def matrix_with_spectrum(sigma, m=40, n=30, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.linalg.qr(torch.randn(m, len(sigma), generator=gen, dtype=torch.float64)).Q
+    v = torch.linalg.qr(torch.randn(n, len(sigma), generator=gen, dtype=torch.float64)).Q
+    return u @ torch.diag(torch.tensor(sigma, dtype=torch.float64)) @ v.T
+
+
+def test_energy_effective_rank_of_known_spectra():
+    for k in (1, 3, 12):
+        equal = matrix_with_spectrum([2.0] * k)
+        assert measures.energy_effective_rank(equal, threshold=1.0).item() == k
+        assert measures.energy_effective_rank(equal, threshold=0.9).item() == math.ceil(0.9 * k)
+    # energies 0.5, 0.3, 0.15, 0.05 of the total
+    graded = matrix_with_spectrum([math.sqrt(e) for e in (0.5, 0.3, 0.15, 0.05)])
+    assert [measures.energy_effective_rank(graded, threshold=t).item() for t in (0.5, 0.8, 0.9, 0.99)] == [1, 2, 3, 4]
+    assert measures.energy_effective_rank(torch.zeros(5, 5)).item() == 0
+    batch = torch.stack([matrix_with_spectrum([1.0] * k, seed=k) for k in (2, 5)])
+    assert measures.energy_effective_rank(batch, threshold=1.0).tolist() == [2, 5]
+    with pytest.raises(ValueError, match="threshold"):
+        measures.energy_effective_rank(graded, threshold=0.0)
+
+
+def test_numerical_rank_of_products():
+    gen = torch.Generator().manual_seed(0)
+    for k in (1, 4, 9):
+        a = torch.randn(50, k, generator=gen, dtype=torch.float64) @ torch.randn(k, 60, generator=gen, dtype=torch.float64)
+        assert measures.numerical_rank(a).item() == k
+    # float32 rounding fills the spectrum at ~1e-7: why the analysis computes in float64
+    low = torch.randn(64, 3, generator=gen) @ torch.randn(3, 64, generator=gen)
+    assert measures.numerical_rank(low).item() > 3 and measures.numerical_rank(low, rtol=1e-5).item() == 3
+
+
+def test_power_law_fit_and_rmsnorm_exponent_on_a_synthetic_sweep():
+    eps = torch.logspace(-9, -1, 9, dtype=torch.float64)
+    fit = measures.fit_power_law(eps, 3.0 * eps**-0.5)
+    assert fit["exponent"] == pytest.approx(-0.5, abs=1e-12) and fit["prefactor"] == pytest.approx(3.0)
+    assert fit["r2"] == pytest.approx(1.0)
+    noisy = measures.fit_power_law(eps, eps**1.5 * (1 + 0.1 * torch.randn(9, generator=torch.Generator().manual_seed(0))))
+    assert noisy["exponent"] == pytest.approx(1.5, abs=0.05) and 0.99 < noisy["r2"] < 1.0
+    # RMSNorm: the worst-case Lipschitz constant over inputs down to 0 scales as max|w| eps^(-1/2)
+    weight = 0.5 + torch.rand(32, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    probes_ = measures.lipschitz_probes(32)
+    worst = [measures.rmsnorm_lipschitz(weight, e, probes_).max().item() for e in eps.tolist()]
+    fit = measures.fit_power_law(eps, worst)
+    assert fit["exponent"] == pytest.approx(-0.5, abs=1e-3) and fit["r2"] > 0.9999
+    assert worst[0] == pytest.approx(weight.abs().max().item() / math.sqrt(eps[0].item()), rel=1e-9)
+    # at inputs of unit RMS the constant barely moves with eps: the exponent is ~0, not -1/2
+    unit = torch.randn(8, 32, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    local = [measures.rmsnorm_lipschitz(weight, e, unit).mean().item() for e in eps.tolist()]
+    assert abs(measures.fit_power_law(eps, local)["exponent"]) < 0.05
+
+
+def test_entropy_and_first_depth():
+    for c in (1, 2, 10):
+        assert measures.attention_entropy(torch.full((c,), 1.0 / c)).item() == pytest.approx(math.log(c))
+    assert measures.attention_entropy(torch.tensor([0.0, 1.0, 0.0])).item() == 0.0
+    assert measures.first_depth_below([1.0, 0.1, 1e-4, 1e-9], 1e-3) == 2
+    assert measures.first_depth_below([1.0, 0.5], 1e-3) is None
+    assert measures.summarise([1.0, None, 3.0]) == {"mean": 2.0, "std": math.sqrt(2), "min": 1.0, "max": 3.0, "count": 2}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# pure-attention stacks
+# ----------------------------------------------------------------------------------------------------------------------
+def test_pure_attention_stacks_collapse_and_skip_connections_prevent_it():
+    spec = StackSpec(depth=10, tokens=16, width=32, heads=2)
+    for kind in ("euclidean", "euclidean-distance", "riemannian"):
+        curve = stack_residuals(spec, kind, seed=0)
+        assert len(curve) == spec.depth + 1 and curve[0] > 0.9  # random input: far from collapsed
+        assert curve[-1] < 1e-10  # Dong et al.: pure attention collapses (doubly exponentially)
+    with_skip = stack_residuals(StackSpec(depth=10, tokens=16, width=32, heads=2, skip=True), "euclidean", seed=0)
+    assert with_skip[-1] > 1e-2
+    # the riemannian kind at alpha = 0 is the euclidean distance kind, draw for draw
+    assert stack_residuals(StackSpec(depth=4, alpha=0.0), "riemannian", 3) == \
+        stack_residuals(StackSpec(depth=4), "euclidean-distance", 3)
+    result = collapse_experiment(StackSpec(depth=6, tokens=8, width=16, heads=2), range(3),
+                                 {"e": ("euclidean", 0.0), "r": ("riemannian", 5.0)})
+    assert result["variants"]["e"]["seeds_reaching_threshold"] == 3
+    assert len(result["variants"]["r"]["per_depth"]) == 7
+    with pytest.raises(ValueError, match="alpha"):
+        StackSpec(alpha=-1.0)
+    with pytest.raises(ValueError, match="unknown kind"):
+        stack_residuals(spec, "hyperbolic", 0)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# real-model probes against the models' own computations
+# ----------------------------------------------------------------------------------------------------------------------
+def tiny_llama(seed=0):
+    torch.manual_seed(seed)
+    fields = {k: v for k, v in TINY.items() if k not in ("rms_norm_eps",)}
+    return LlamaForCausalLM(LlamaConfig(**fields, attn_implementation="eager")).to(torch.float64).eval()
+
+
+@pytest.mark.parametrize("which", ["fiber", "llama"])
+def test_layer_logits_are_the_models_own_attention(which):
+    model = set_gates(tiny_model(fiber_attention_path="reference")) if which == "fiber" else tiny_llama()
+    ids = random_ids(2, 24)
+    with torch.no_grad():
+        out = model(ids, output_attentions=True, output_hidden_states=True)
+    states = probes.residual_stream(model, ids)
+    assert len(states) == model.config.num_hidden_layers + 1
+    for i in range(model.config.num_hidden_layers):
+        assert torch.allclose(states[i], out.hidden_states[i], atol=1e-12)
+        probs = probes._causal_probs(probes.layer_logits(model, i, states[i]))
+        assert torch.allclose(probs, out.attentions[i].to(probs.dtype), atol=1e-10)
+
+
+def test_interaction_spectrum_is_that_of_wq_transpose_wk():
+    model = tiny_llama()
+    attn = model.model.layers[1].self_attn
+    d = attn.head_dim
+    wq, wk = attn.q_proj.weight.view(-1, d, 64), attn.k_proj.weight.view(-1, d, 64)
+    h = 3  # query head 3 reads KV head 1 (two query heads per KV head)
+    explicit = torch.linalg.svdvals(wq[h].T @ wk[h // 2])[:d]
+    assert torch.allclose(probes.interaction_spectrum(model, 1)[h], explicit, rtol=1e-9, atol=1e-12)
+
+
+def test_intrinsic_rank_reads_the_gram_bound_and_its_breach():
+    ids = random_ids(2, 48)
+    d = TINY["head_dim"]
+    graft = probes.intrinsic_rank(tiny_model(), ids)  # gates at 0: dot-product scores, a Gram matrix
+    assert graft["summary"]["score_numerical_rank"]["max"] <= d and graft["summary"]["heads_above_gram_bound"] == 0
+    trained = probes.intrinsic_rank(set_gates(tiny_model()), ids)  # heterogeneous metrics: non-Gram (DESIGN 1.2)
+    assert trained["summary"]["score_numerical_rank"]["min"] > d + 1
+    assert trained["summary"]["heads_above_gram_bound"] == trained["summary"]["heads"] == 8
+    assert all(1 <= v <= 48 for layer in trained["layers"] for v in layer["text_energy_rank"])
+    rank, reason = probes.suggest_metric_rank(tiny_model(), ids)
+    assert rank == min(max(1, round(reason["median_text_energy_rank"])), d // 4) and "rule" in reason
+
+
+def test_geometry_report_matches_the_model_output():
+    model, ids = set_gates(tiny_model()), random_ids(2, 40)
+    report = probes.geometry_report(model, ids, eps_values=[1e-8, 1e-6, 1e-4, 1e-2], norm_layers=[1])
+    with torch.no_grad():
+        direct = model(ids[:1], output_geometry=True).geometry
+    assert report["proxies"]["torsion"][0] != 0
+    assert set(report["rmsnorm_lipschitz"]) == {"layer1", "final"}
+    assert report["rmsnorm_lipschitz"]["final"]["worst_case_fit"]["exponent"] == pytest.approx(-0.5, abs=1e-3)
+    entropy = report["attention_entropy"]
+    assert entropy["bins"][0] == (1, 1) and entropy["per_layer"][0][0] == pytest.approx(0.0, abs=1e-12)
+    assert all(e <= u + 1e-9 for e, u in zip(entropy["mean_over_layers"], entropy["uniform"]))
+    assert direct["torsion"].shape == (2,)
+    assert probes.geometry_proxies(tiny_llama(), ids) is None
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the subcommands end to end on tiny models
+# ----------------------------------------------------------------------------------------------------------------------
+def char_tokenizer():
+    """One token per printable ASCII character (ids 3..96), so real text gives varied ids to a 97-token tiny model."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{chr(33 + i): 3 + i for i in range(94)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+@pytest.fixture(scope="module")
+def tiny_folders(tmp_path_factory):
+    """A tiny LLaMA source, its conversion, and the conversion with moved gates (a 'trained' geometry)."""
+    from fiber_bundle.conversion import convert_checkpoint
+    from modeling_fiber_bundle import FiberBundleForCausalLM
+
+    root = tmp_path_factory.mktemp("analysis")
+    source = tiny_llama().to(torch.float32)
+    source.save_pretrained(root / "source")
+    char_tokenizer().save_pretrained(root / "source")
+    convert_checkpoint(root / "source", root / "converted", show_progress=False)
+    trained = set_gates(FiberBundleForCausalLM.from_pretrained(root / "converted", dtype=torch.float64))
+    trained.to(torch.float32).save_pretrained(root / "trained")
+    char_tokenizer().save_pretrained(root / "trained")
+    return root
+
+
+def read_outputs(folder, name):
+    data = json.loads((folder / f"{name}.json").read_text())
+    assert (folder / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    return data
+
+
+def test_analyze_collapse_end_to_end(tiny_folders, tmp_path, capsys):
+    from fiber_bundle.conversion.cli import main
+
+    models = [str(tiny_folders / name) for name in ("source", "converted", "trained")]
+    code = main(["analyze", "collapse", *models, "--samples", "2", "--length", "40", "--seeds", "3", "--depth", "6",
+                 "--width", "16", "--heads", "2", "--tokens", "8", "--alphas", "1", "50", "--out", str(tmp_path)])
+    assert code == 0
+    data = read_outputs(tmp_path, "collapse")
+    assert len(data["stacks"]) == 4 and set(data["models"]) == {"source", "converted", "trained"}
+    variants = data["stacks"][0]["variants"]
+    assert set(variants) == {"euclidean (dot product)", "euclidean distance", "riemannian, alpha=1",
+                             "riemannian, alpha=50"}
+    assert len(variants["euclidean (dot product)"]["curves"]) == 3
+    source, converted = data["models"]["source"], data["models"]["converted"]
+    assert len(source["per_depth"]) == TINY["num_hidden_layers"] + 1
+    for a, b in zip(source["per_depth"], converted["per_depth"]):  # the graft computes the source's function
+        assert a["mean"] == pytest.approx(b["mean"], abs=1e-5)
+    assert "depth where residual < 0.001" in capsys.readouterr().out
+
+
+def test_analyze_intrinsic_rank_and_geometry_end_to_end(tiny_folders, tmp_path):
+    from fiber_bundle.conversion.cli import main
+
+    models = [str(tiny_folders / "converted"), str(tiny_folders / "trained")]
+    assert main(["analyze", "intrinsic-rank", *models, "--labels", "graft", "learned", "--samples", "2",
+                 "--length", "40", "--out", str(tmp_path)]) == 0
+    rank = read_outputs(tmp_path, "intrinsic_rank")["models"]
+    assert rank["graft"]["dtype"] == "float64"
+    assert rank["graft"]["summary"]["heads_above_gram_bound"] == 0
+    assert rank["learned"]["summary"]["heads_above_gram_bound"] == 8
+    assert main(["analyze", "geometry", *models, "--samples", "2", "--length", "40", "--eps", "1e-8", "1e-5", "1e-2",
+                 "--out", str(tmp_path)]) == 0
+    geometry = read_outputs(tmp_path, "geometry")["models"]
+    assert geometry["converted"]["proxies"]["torsion"] == [0.0, 0.0]  # alpha = 0 at the graft: no torsion
+    assert geometry["trained"]["proxies"]["torsion"][0] > 0
+    # bad input: a clear one-line error, exit 1
+    assert main(["analyze", "geometry", str(tmp_path / "missing"), "--out", str(tmp_path)]) == 1
+    assert main(["analyze", "intrinsic-rank", *models, "--labels", "one", "--out", str(tmp_path)]) == 1
+
+
+def test_analyze_compare_end_to_end(tiny_folders, tmp_path, capsys):
+    from fiber_bundle.analysis.compare import equal_parameter_lora_rank, lora_parameter_count
+    from fiber_bundle.conversion.cli import main
+    from fiber_bundle.training import prepare_for_training
+
+    code = main(["analyze", "compare", str(tiny_folders / "converted"), str(tiny_folders / "source"),
+                 "--out", str(tmp_path), "--seeds", "0", "1", "--max-steps", "2", "--batch-size", "2",
+                 "--block-size", "32", "--eval-blocks", "4"])
+    assert code == 0
+    data = read_outputs(tmp_path, "compare")
+    assert [(r["arm"], r["seed"]) for r in data["runs"]] == [
+        (arm, seed) for seed in (0, 1) for arm in ("metric-only", "lora-source", "lora+metric")]
+    summary = data["summary"]
+    assert summary["metric-only"]["trainable_parameters"] == data["metric_parameters"]
+    # the LoRA rank is the one whose PEFT parameter count is closest to the metric's
+    source = tiny_llama().to(torch.float32)
+    r = data["lora_r"]
+    assert r == equal_parameter_lora_rank(source, data["metric_parameters"])
+    assert summary["lora-source"]["trainable_parameters"] == lora_parameter_count(source, r)
+    peft_model = prepare_for_training(tiny_llama().to(torch.float32), "lora", lora_r=r)
+    assert sum(p.numel() for p in peft_model.parameters() if p.requires_grad) == lora_parameter_count(source, r)
+    assert summary["lora+metric"]["trainable_parameters"] == data["metric_parameters"] + lora_parameter_count(source, r)
+    before = {run["eval_loss_before"] for run in data["runs"]}
+    assert max(before) - min(before) < 1e-5  # every arm starts as the source
+    assert all(run["eval_loss_after"] != run["eval_loss_before"] for run in data["runs"])
+    assert "geometry/torsion" in data["runs"][0]["geometry"] and data["runs"][1]["geometry"] == {}
+    assert "lora-source" in capsys.readouterr().out
+
+
+def test_metric_rank_auto_records_its_reason(tiny_folders, tmp_path):
+    from fiber_bundle.conversion.cli import main
+
+    assert main(["convert", str(tiny_folders / "source"), str(tmp_path / "auto"), "--metric-rank", "auto"]) == 0
+    report = json.loads((tmp_path / "auto" / "conversion_report.json").read_text())
+    choice = report["metric_rank_choice"]
+    config = json.loads((tmp_path / "auto" / "config.json").read_text())
+    assert config["metric_rank"] == choice["metric_rank"] == min(max(1, round(choice["median_text_energy_rank"])), 4)
+    assert report["parity"]["passed"]
+    with pytest.raises(SystemExit):
+        main(["convert", str(tiny_folders / "source"), str(tmp_path / "bad"), "--metric-rank", "two"])
+    assert not (tmp_path / "bad").exists()
+
+
+def test_metric_learning_rate_gets_its_own_group(tmp_path):
+    from datasets import Dataset
+
+    from fiber_bundle.training.trainer import train_model
+
+    ids = random_ids(8, 16).tolist()
+    trainer = train_model(tiny_model(dtype=torch.float32), Dataset.from_dict({"input_ids": ids, "labels": ids}),
+                          tmp_path, mode="lora", max_steps=1, learning_rate=1e-3, metric_learning_rate=2e-2,
+                          batch_size=4, lr_scheduler_type="constant")
+    groups = trainer.optimizer.param_groups
+    assert sorted(g["lr"] for g in groups) == [1e-3, 2e-2]
+    metric = next(g for g in groups if g["lr"] == 2e-2)
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    assert metric["params"] and all(".fiber." in names[id(p)] and "lora_" not in names[id(p)] for p in metric["params"])
+
+
+def test_init_geometry_redraws_a_loaded_model_in_place(tiny_folders):
+    from fiber_bundle.conversion.convert import init_geometry
+    from modeling_fiber_bundle import FiberBundleForCausalLM
+
+    loaded = FiberBundleForCausalLM.from_pretrained(tiny_folders / "converted")
+    saved = {k: v.clone() for k, v in loaded.state_dict().items()}
+    init_geometry(loaded, seed=0)  # the conversion's seed: the same draws as the converted folder
+    assert all(torch.equal(saved[k], v) for k, v in loaded.state_dict().items())
+    init_geometry(loaded, seed=1)
+    changed = [k for k, v in loaded.state_dict().items() if not torch.equal(saved[k], v)]
+    assert changed and all(".fiber." in k and k.endswith(("proj.weight",)) for k in changed)
+    assert all(torch.isfinite(v).all() for v in loaded.state_dict().values())
