@@ -69,7 +69,7 @@ def _geometry(args) -> int:
     from .reports import run_geometry
 
     results = run_geometry(args.out, args.models, labels=args.labels, samples=args.samples, length=args.length,
-                           eps_values=args.eps, norm_layers=args.norm_layers)
+                           eps_values=args.eps, norm_layers=args.norm_layers, ablation_blocks=args.ablation_blocks)
     for label, report in results["models"].items():
         if report["proxies"]:
             means = ", ".join(f"{k} {sum(v) / len(v):.3g}" for k, v in report["proxies"].items())
@@ -78,6 +78,11 @@ def _geometry(args) -> int:
             fit = norm["worst_case_fit"]
             print(f"  {name} RMSNorm Lipschitz vs eps: worst case exponent {fit['exponent']:.4f} (R² {fit['r2']:.4f}), "
                   f"at real tokens {norm['on_data_fit']['exponent']:.4f} (R² {norm['on_data_fit']['r2']:.3f})")
+        if report.get("ablation"):
+            a = report["ablation"]
+            print(f"  held-out loss ({a['blocks']} x {a['tokens_per_block']} tokens): learned {a['learned']:.4f}, "
+                  f"attention metric off {a['attention_metric_off']:.4f}, MLP metric off {a['mlp_metric_off']:.4f}, "
+                  f"both off (backbone) {a['backbone']:.4f}")
         entropy = report["attention_entropy"]
         print(f"  attention entropy (mean over layers) at context {entropy['bins'][-1]}: "
               f"{entropy['mean_over_layers'][-1]:.3f} nats (uniform {entropy['uniform'][-1]:.3f})")
@@ -146,6 +151,9 @@ def add_analyze_parser(commands) -> None:
     geometry.add_argument("--norm-layers", type=int, nargs="+", default=None,
                           help="layers whose input RMSNorm is swept (default: first, middle, last; the final norm "
                                "always)")
+    geometry.add_argument("--ablation-blocks", type=int, default=0,
+                          help="also score the model on this many held-out 256-token blocks (the main job's eval "
+                               "split) with the attention metric, the MLP metric and both switched off (0: skip)")
     geometry.set_defaults(handler=_run(_geometry))
 
     compare = sub.add_parser(

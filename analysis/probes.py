@@ -271,3 +271,34 @@ def geometry_report(model, ids: torch.Tensor, *, eps_values=None, norm_layers=No
     cos, sin = rotary(model, states[0])
     return {"proxies": geometry_proxies(model, ids), "rmsnorm_lipschitz": norms,
             "attention_entropy": entropy_by_context(model, states, cos, sin)}
+
+
+def gate_ablation(model, eval_ids: torch.Tensor, batch_size: int = 8) -> dict | None:
+    """Which part of a learned geometry carries the gain: held-out loss of the model as it is, with the attention
+    metric switched off (alpha = gamma = 0 in every layer: dot-product attention), with the MLP preconditioner
+    switched off (beta = 0), and with both off (the backbone). None for a model without a metric."""
+    if getattr(model.config, "model_type", None) != "fiber_bundle":
+        return None
+    fibers = [layer.fiber for layer in decoder(model).layers if hasattr(layer, "fiber")]
+    gates = {"attention": ("attn_gate", "flatness_gate"), "mlp": ("ffn_gate",)}
+    saved = {id(f): {k: v.detach().clone() for k, v in f.named_parameters()} for f in fibers}
+
+    def loss(off: tuple[str, ...]) -> float:
+        with torch.no_grad():
+            for fiber in fibers:
+                for name, param in fiber.named_parameters():
+                    param.copy_(saved[id(fiber)][name])
+                    if any(name in gates[part] for part in off):
+                        param.zero_()  # theta = 0 -> alpha = 0; gamma = 0; phi = 0 -> beta = 0
+            total = 0.0
+            for start in range(0, len(eval_ids), batch_size):
+                batch = eval_ids[start : start + batch_size].to(model.device)
+                total += model(input_ids=batch, labels=batch).loss.item() * len(batch)
+        return total / len(eval_ids)
+
+    try:
+        result = {"learned": loss(()), "attention_metric_off": loss(("attention",)), "mlp_metric_off": loss(("mlp",)),
+                  "backbone": loss(("attention", "mlp"))}
+    finally:
+        loss(())  # restore the learned gates
+    return {**result, "blocks": len(eval_ids), "tokens_per_block": eval_ids.shape[1]}

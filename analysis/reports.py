@@ -7,9 +7,11 @@ from pathlib import Path
 import torch
 
 from .models import load_causal_lm, model_label, sample_ids
+from fiber_bundle.training.geometry_logging import gate_values
+
 from .output import write_json
 from .plots import plot_collapse, plot_geometry, plot_intrinsic_rank
-from .probes import decoder, geometry_report, intrinsic_rank, model_collapse
+from .probes import decoder, gate_ablation, geometry_report, intrinsic_rank, model_collapse
 from .stacks import StackSpec, collapse_experiment, default_variants
 
 
@@ -25,6 +27,14 @@ def _labels(models, labels) -> list[str]:
     return names
 
 
+def _held_out_ids(tokenizer, blocks: int, block_size: int = 256) -> torch.Tensor:
+    """The first ``blocks`` blocks of the main job's held-out split (pydoc topics, split seed 0), as (blocks, 256) ids."""
+    from fiber_bundle.training.data import pack_blocks, pydoc_topics
+
+    packed = pack_blocks(pydoc_topics(seed=0)[1], tokenizer, block_size)
+    return torch.tensor(packed[: min(blocks, len(packed))]["input_ids"])
+
+
 def _bar(total, desc, progress):
     from tqdm.auto import tqdm
 
@@ -32,10 +42,10 @@ def _bar(total, desc, progress):
 
 
 def _each_model(models, labels, dtype, samples, length):
-    """(label, model, ids) for every model, loading one at a time (ids from each model's own tokenizer)."""
+    """(label, model, tokenizer, ids) for every model, loading one at a time (ids from each model's own tokenizer)."""
     for label, source in zip(_labels(models, labels), models):
         model, tokenizer = load_causal_lm(source, dtype=dtype)
-        yield label, model, sample_ids(tokenizer, samples, length)
+        yield label, model, tokenizer, sample_ids(tokenizer, samples, length)
         del model
 
 
@@ -61,7 +71,7 @@ def run_collapse(output_dir: str | Path, *, models=(), labels=None, samples: int
         bar.close()
     if models:
         bar = _bar(len(models), "models", progress)
-        for label, model, ids in _each_model(models, labels, torch.float32, samples, length):
+        for label, model, _, ids in _each_model(models, labels, torch.float32, samples, length):
             results["models"][label] = {**model_collapse(model, ids), "samples": samples, "tokens": length}
             bar.update(1)
         bar.close()
@@ -78,7 +88,7 @@ def run_intrinsic_rank(output_dir: str | Path, models, *, labels=None, samples: 
     intrinsic_rank.json and intrinsic_rank.png into ``output_dir``."""
     started = time.perf_counter()
     results = {"models": {}}
-    for label, model, ids in _each_model(models, labels, torch.float64, samples, length):
+    for label, model, _, ids in _each_model(models, labels, torch.float64, samples, length):
         bar = _bar(len(decoder(model).layers), f"intrinsic rank: {label}", progress)
         results["models"][label] = intrinsic_rank(model, ids, threshold=threshold, rtol=rtol, progress=bar)
         bar.close()
@@ -90,14 +100,18 @@ def run_intrinsic_rank(output_dir: str | Path, models, *, labels=None, samples: 
 
 
 def run_geometry(output_dir: str | Path, models, *, labels=None, samples: int = 4, length: int = 512, eps_values=None,
-                 norm_layers=None, progress: bool = True) -> dict:
-    """Connection proxies per layer, RMSNorm Lipschitz constant versus eps with its fitted exponent, and attention
-    entropy versus context length, for each model: writes geometry.json and geometry.png into ``output_dir``."""
+                 norm_layers=None, ablation_blocks: int = 0, progress: bool = True) -> dict:
+    """Connection proxies per layer, RMSNorm Lipschitz constant versus eps with its fitted exponent, attention
+    entropy versus context length, the learned gates, and (``ablation_blocks`` > 0) the held-out loss with each part of
+    the metric switched off, for each model: writes geometry.json and geometry.png into ``output_dir``."""
     started = time.perf_counter()
     results = {"models": {}}
     bar = _bar(len(models), "geometry", progress)
-    for label, model, ids in _each_model(models, labels, torch.float32, samples, length):
+    for label, model, tokenizer, ids in _each_model(models, labels, torch.float32, samples, length):
         results["models"][label] = geometry_report(model, ids, eps_values=eps_values, norm_layers=norm_layers)
+        results["models"][label]["gates"] = gate_values(model)
+        if ablation_blocks:
+            results["models"][label]["ablation"] = gate_ablation(model, _held_out_ids(tokenizer, ablation_blocks))
         bar.update(1)
     bar.close()
     results["seconds"] = time.perf_counter() - started

@@ -245,10 +245,16 @@ def test_analyze_intrinsic_rank_and_geometry_end_to_end(tiny_folders, tmp_path):
     assert rank["graft"]["summary"]["heads_above_gram_bound"] == 0
     assert rank["learned"]["summary"]["heads_above_gram_bound"] == 8
     assert main(["analyze", "geometry", *models, "--samples", "2", "--length", "40", "--eps", "1e-8", "1e-5", "1e-2",
-                 "--out", str(tmp_path)]) == 0
+                 "--ablation-blocks", "3", "--out", str(tmp_path)]) == 0
     geometry = read_outputs(tmp_path, "geometry")["models"]
     assert geometry["converted"]["proxies"]["torsion"] == [0.0, 0.0]  # alpha = 0 at the graft: no torsion
     assert geometry["trained"]["proxies"]["torsion"][0] > 0
+    graft, learned = geometry["converted"]["ablation"], geometry["trained"]["ablation"]
+    assert len({graft[k] for k in ("learned", "attention_metric_off", "mlp_metric_off", "backbone")}) == 1
+    assert learned["backbone"] == pytest.approx(graft["backbone"], abs=1e-6)  # all gates off: the same backbone
+    assert len({learned[k] for k in ("learned", "attention_metric_off", "mlp_metric_off", "backbone")}) == 4
+    assert geometry["trained"]["gates"]["geometry/layer0/alpha"] != 0 == geometry["converted"]["gates"][
+        "geometry/layer0/alpha"]
     # bad input: a clear one-line error, exit 1
     assert main(["analyze", "geometry", str(tmp_path / "missing"), "--out", str(tmp_path)]) == 1
     assert main(["analyze", "intrinsic-rank", *models, "--labels", "one", "--out", str(tmp_path)]) == 1
