@@ -93,3 +93,26 @@ def test_converted_smollm2_answers_in_a_fresh_process_and_learns(converted, tmp_
     model = FiberBundleForCausalLM.from_pretrained(converted, dtype=torch.float32)
     ids = torch.randint(0, model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
     assert geometry_step_change(model, ids, lr=1e-3) > 1e-4
+
+
+def test_smollm2_analysis_reads_the_graft_and_a_learned_metric(gguf, converted):
+    """On the real model and real text: the source's and the graft's collapse curves and logit ranks agree, every score
+    matrix is a Gram matrix (numerical rank <= d) at the graft and none is once the gates move (DESIGN 1.2)."""
+    from fiber_bundle.analysis import probes
+    from fiber_bundle.analysis.models import load_causal_lm, sample_ids
+
+    source, tokenizer = load_causal_lm(gguf, dtype=torch.float64)
+    ids = sample_ids(tokenizer, 1, 96)
+    graft, _ = load_causal_lm(converted, dtype=torch.float64)
+    src_collapse, graft_collapse = probes.model_collapse(source, ids), probes.model_collapse(graft, ids)
+    for a, b in zip(src_collapse["per_depth"], graft_collapse["per_depth"]):
+        assert a["mean"] == pytest.approx(b["mean"], abs=1e-6)
+    rank = probes.intrinsic_rank(graft, ids)
+    assert rank["summary"]["score_numerical_rank"]["max"] <= 64 and rank["summary"]["heads"] == 270
+    assert 1 <= rank["summary"]["text_energy_rank"]["mean"] < 64
+    with torch.no_grad():
+        for layer in graft.model.layers:
+            layer.fiber.attn_gate.fill_(0.05)
+    learned = probes.intrinsic_rank(graft, ids)
+    assert learned["summary"]["score_numerical_rank"]["min"] > 65
+    assert learned["summary"]["heads_above_gram_bound"] == 270
