@@ -203,3 +203,35 @@ def test_bad_input_is_refused_with_the_fix():
     with pytest.raises(ValueError, match="weight decay"):
         FactoredRiemannianOptimizer(pair, geometry="grassmann", weight_decay=0.1)
     FactoredRiemannianOptimizer(pair, geometry="grassmann")  # orthonormal now: accepted
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft 0.21 reads it
+def test_lora_pairs_are_found_and_trained_beside_adamw():
+    """Every LoRA layer of a PEFT model becomes one pair (B, A^T); a quotient step on the pairs and AdamW on the rest
+    (the metric) lower the loss of a tiny Fiber Bundle model."""
+    from conftest import random_ids, tiny_model
+    from fiber_bundle.training import LORA_TARGET_MODULES, prepare_for_training
+    from fiber_bundle.training.riemannian import lora_pairs
+
+    model = prepare_for_training(tiny_model(dtype=torch.float32), "lora", lora_r=4)
+    pairs = lora_pairs(model)
+    assert len(pairs) == 2 * len(LORA_TARGET_MODULES)  # two layers
+    for pair in pairs:
+        b, a = pair["params"]
+        assert b.shape[1] == a.shape[0] == 4 and "lora_B" not in pair["name"]
+    in_pairs = {id(p) for pair in pairs for p in pair["params"]}
+    rest = [p for p in model.parameters() if p.requires_grad and id(p) not in in_pairs]
+    assert rest and all(id(p) not in in_pairs for p in rest)  # the fiber modules (modules_to_save) stay with AdamW
+    riemannian = FactoredRiemannianOptimizer(pairs, geometry="riemannian-quotient", lr=1e-2, momentum=0.0)
+    adamw = torch.optim.AdamW(rest, lr=1e-2)
+    ids = random_ids(4, 16)
+    losses = []
+    for _ in range(15):
+        riemannian.zero_grad()
+        adamw.zero_grad()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        riemannian.step()
+        adamw.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.05

@@ -168,3 +168,17 @@ def _grad(param, transposed, like):
     if param.grad is None:
         return torch.zeros_like(like)
     return _as_tall(param.grad, transposed).to(torch.float64)
+
+
+def lora_pairs(model, adapter: str = "default") -> list[dict]:
+    """The factored pairs of a PEFT LoRA model: for every LoRA layer, (B, A) with X = B A, i.e. L = B (out x r) and
+    R^T = A (r x in). Returns parameter-group dicts for ``FactoredRiemannianOptimizer`` (with a ``name`` each)."""
+    pairs = []
+    for name, module in model.named_modules():
+        lora_a, lora_b = getattr(module, "lora_A", None), getattr(module, "lora_B", None)
+        if lora_a is None or lora_b is None or adapter not in lora_a:
+            continue
+        b, a = lora_b[adapter].weight, lora_a[adapter].weight
+        if b.requires_grad and a.requires_grad:
+            pairs.append({"params": [b, a], "transposed": (False, True), "name": name})
+    return pairs
