@@ -235,3 +235,23 @@ def test_lora_pairs_are_found_and_trained_beside_adamw():
         adamw.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 0.05
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+@pytest.mark.parametrize("geometry", ["riemannian-quotient", "riemannian-embedded"])
+def test_trainer_runs_a_riemannian_optimizer(tmp_path, geometry):
+    """train_model(optimizer=...) trains the LoRA pairs on the manifold and the rest with AdamW, through the Trainer."""
+    from datasets import Dataset
+
+    from conftest import random_ids, tiny_model
+    from fiber_bundle.training.trainer import train_model
+
+    ids = random_ids(16, 16).tolist()
+    trainer = train_model(tiny_model(dtype=torch.float32), Dataset.from_dict({"input_ids": ids, "labels": ids}),
+                          tmp_path, mode="lora", max_steps=6, learning_rate=1e-2, batch_size=4, optimizer=geometry,
+                          quiet=True, lora_r=4)
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    assert losses[-1] < losses[0]
+    assert type(trainer.optimizer.optimizer).__name__ == "FactoredRiemannianOptimizer"
+    kinds = [group["geometry"] for group in trainer.optimizer.param_groups]
+    assert kinds.count(geometry) == 14 and kinds[-1] == "adamw"

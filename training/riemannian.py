@@ -15,6 +15,7 @@ B = L as (out x r) and A = R^T as (r x in), so ``transposed=(False, True)``). Ge
 """
 
 import torch
+from torch.optim.adamw import adamw  # the functional form of torch.optim.AdamW (its update, not a copy)
 
 from . import manifolds as mf
 
@@ -44,7 +45,8 @@ class FactoredRiemannianOptimizer(torch.optim.Optimizer):
         lr: step size; momentum: heavy-ball coefficient (0 disables it); weight_decay: decoupled, fixed-rank only.
         retraction: "qr" or "polar" (partial isometries).
         damping: relative regularisation of the quotient geometry's Gram inverses.
-    The computation runs in float64 (factors are small); state (momentum) is saved and restored with ``state_dict``.
+    The computation runs in float64 (factors are small); state (momentum) is kept in the parameters' dtype, as
+    ``load_state_dict`` restores it, so a resumed run continues exactly.
     """
 
     def __init__(self, pairs, geometry: str = "riemannian-quotient", lr: float = 1e-3, momentum: float = 0.9,
@@ -63,6 +65,8 @@ class FactoredRiemannianOptimizer(torch.optim.Optimizer):
             self._check_group(group)
 
     def _check_group(self, group):
+        if group["geometry"] == "adamw":  # the parameters that are not factored pairs: torch's AdamW, unchanged
+            return
         if len(group["params"]) != 2:
             raise ValueError(f"a factored pair has exactly two tensors (left, right), got {len(group['params'])}.")
         left, right = (_as_tall(p, t) for p, t in zip(group["params"], group["transposed"]))
@@ -70,7 +74,7 @@ class FactoredRiemannianOptimizer(torch.optim.Optimizer):
             raise ValueError(f"factors must be matrices sharing their rank dimension: L {tuple(left.shape)}, "
                              f"R {tuple(right.shape)} (check `transposed`).")
         if group["geometry"] not in GEOMETRIES:
-            raise ValueError(f"geometry {group['geometry']!r} is not one of {GEOMETRIES}.")
+            raise ValueError(f"geometry {group['geometry']!r} is not one of {GEOMETRIES} (or 'adamw').")
         if group["geometry"] not in FIXED_RANK:
             if group["weight_decay"] > 0:
                 raise ValueError(f"weight decay would leave the manifold of {group['geometry']}: use weight_decay=0.")
@@ -88,6 +92,9 @@ class FactoredRiemannianOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
+            if group["geometry"] == "adamw":
+                self._adamw_step(group)
+                continue
             left_p, right_p = group["params"]
             if left_p.grad is None and right_p.grad is None:
                 continue
@@ -110,6 +117,21 @@ class FactoredRiemannianOptimizer(torch.optim.Optimizer):
             _as_tall(right_p, t_right).copy_(new_right.to(right_p.dtype))
         return loss
 
+    def _adamw_step(self, group):
+        params = [p for p in group["params"] if p.grad is not None]
+        for p in params:
+            state = self.state[p]
+            if "step" not in state:
+                state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(p),
+                             exp_avg_sq=torch.zeros_like(p))
+        beta1, beta2 = group.get("betas", (0.9, 0.999))
+        adamw(
+            params, [p.grad for p in params], [self.state[p]["exp_avg"] for p in params],
+            [self.state[p]["exp_avg_sq"] for p in params], [], [self.state[p]["step"] for p in params],
+            amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+            eps=group.get("eps", 1e-8), maximize=False,
+        )
+
     def _quotient_step(self, group, left, right, g_left, g_right):
         xi_left, xi_right = mf.quotient_gradient(left, right, g_left, g_right, group["damping"])
         xi_left = self._heavy_ball(group["params"][0], xi_left, group["momentum"])
@@ -125,7 +147,7 @@ class FactoredRiemannianOptimizer(torch.optim.Optimizer):
             buffer = direction.clone()
         else:
             buffer = momentum * buffer.to(direction) + direction
-        state["momentum_buffer"] = buffer
+        state["momentum_buffer"] = buffer.to(param.dtype)  # stored as the parameter (as torch restores it)
         return buffer
 
     def _embedded_step(self, group, left, right, g_left, g_right):
@@ -140,7 +162,9 @@ class FactoredRiemannianOptimizer(torch.optim.Optimizer):
             if "tangent_a" in left_state:  # transport the previous direction to this tangent space, then add
                 old = mf.embedded_project(frame, left_state["tangent_a"].to(left), right_state["tangent_b"].to(left))
                 tangent = tuple(group["momentum"] * o + t for o, t in zip(old, tangent))
-            left_state["tangent_a"], right_state["tangent_b"] = mf.tangent_factors(frame, tangent)
+            a, b = mf.tangent_factors(frame, tangent)
+            left_state["tangent_a"] = a.to(group["params"][0].dtype)  # stored as the parameter (as torch restores it)
+            right_state["tangent_b"] = b.to(group["params"][1].dtype)
         return mf.embedded_retract(frame, tangent, -group["lr"])
 
     def _isometry_step(self, group, left, right, g_left, g_right):
@@ -159,7 +183,8 @@ class FactoredRiemannianOptimizer(torch.optim.Optimizer):
                 old_left, old_right = tangent(left_state["momentum_buffer"].to(left),
                                               right_state["momentum_buffer"].to(right))
                 xi_left, xi_right = group["momentum"] * old_left + xi_left, group["momentum"] * old_right + xi_right
-            left_state["momentum_buffer"], right_state["momentum_buffer"] = xi_left, xi_right
+            left_state["momentum_buffer"] = xi_left.to(group["params"][0].dtype)  # as torch restores it
+            right_state["momentum_buffer"] = xi_right.to(group["params"][1].dtype)
         retract = mf.RETRACTIONS[group["retraction"]]
         return retract(left - group["lr"] * xi_left), retract(right - group["lr"] * xi_right)
 
@@ -182,3 +207,21 @@ def lora_pairs(model, adapter: str = "default") -> list[dict]:
         if b.requires_grad and a.requires_grad:
             pairs.append({"params": [b, a], "transposed": (False, True), "name": name})
     return pairs
+
+
+def build_optimizer(model, geometry: str, *, lr: float, riemannian_lr: float | None = None, momentum: float = 0.9,
+                    weight_decay: float = 0.0, retraction: str = "qr") -> FactoredRiemannianOptimizer:
+    """One optimiser for a whole model: every LoRA pair (``lora_pairs``) on ``geometry`` at ``riemannian_lr`` (default
+    ``lr``), every other trainable parameter (the metric under ``modules_to_save``, ...) with AdamW at ``lr``."""
+    pairs = lora_pairs(model)
+    if not pairs:
+        raise ValueError(f"--optimizer {geometry} found no factored pairs to optimise: it needs LoRA (--mode lora).")
+    paired = {id(p) for pair in pairs for p in pair["params"]}
+    rest = [p for p in model.parameters() if p.requires_grad and id(p) not in paired]
+    for pair in pairs:
+        pair.pop("name")
+        pair.update(lr=riemannian_lr or lr)
+    groups = pairs + ([{"params": rest, "geometry": "adamw", "lr": lr, "weight_decay": weight_decay}] if rest else [])
+    return FactoredRiemannianOptimizer(groups, geometry=geometry, lr=lr, momentum=momentum,
+                                       weight_decay=weight_decay if geometry in FIXED_RANK else 0.0,
+                                       retraction=retraction)

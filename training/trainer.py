@@ -25,6 +25,8 @@ def train_model(
     seed: int = 0,
     lora_r: int = 8,
     metric_learning_rate: float | None = None,
+    optimizer: str = "adamw",
+    riemannian_learning_rate: float | None = None,
     probe_ids=None,
     resume_from_checkpoint: str | bool | None = None,
     quiet: bool = False,
@@ -41,6 +43,10 @@ def train_model(
         lora_r: LoRA rank in "lora" mode.
         metric_learning_rate: learning rate of the ``fiber`` (metric) parameters when it should differ from
             ``learning_rate`` (e.g. LoRA at 1e-3 with the metric at 2e-2); same schedule, AdamW for both groups.
+        optimizer: "adamw", or a geometry of ``training.riemannian.GEOMETRIES`` for the LoRA pairs (the rest of the
+            trainable parameters stay with AdamW in the same optimiser; its state saves with the checkpoints).
+        riemannian_learning_rate: learning rate of the LoRA pairs under a Riemannian ``optimizer`` (default:
+            ``learning_rate``).
         probe_ids: a small fixed batch on which the geometry proxies are logged with the loss (default: the first
             training block).
         resume_from_checkpoint: True (the last checkpoint in ``output_dir``) or a checkpoint folder to resume from.
@@ -66,7 +72,15 @@ def train_model(
     if probe_ids is None and len(train_dataset):
         probe_ids = torch.tensor(train_dataset[:1]["input_ids"])
     optimizers = (None, None)
-    if metric_learning_rate is not None:
+    if optimizer != "adamw":
+        if metric_learning_rate is not None:
+            raise ValueError("metric_learning_rate applies to the AdamW optimiser; with a Riemannian optimizer the "
+                             "non-LoRA parameters use learning_rate.")
+        from .riemannian import build_optimizer
+
+        optimizers = (build_optimizer(model, optimizer, lr=learning_rate, riemannian_lr=riemannian_learning_rate,
+                                      weight_decay=args.weight_decay), None)
+    elif metric_learning_rate is not None:
         optimizers = (_two_rate_adamw(model, args, metric_learning_rate), None)  # the Trainer adds its scheduler
     trainer = GeometryLoggingTrainer(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                                      data_collator=default_data_collator, probe_ids=probe_ids, optimizers=optimizers)
