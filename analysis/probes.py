@@ -90,6 +90,13 @@ def layer_logits(model, layer_idx: int, hidden: torch.Tensor, cos=None, sin=None
         return geodesic_scores_reference(query, factors, key, alpha, gamma, attn.scaling)
 
 
+def each_layer_logits(model, states: list[torch.Tensor]):
+    """(layer index, pre-softmax logits (B, H, n, n)) for every layer, from ``residual_stream``'s states."""
+    cos, sin = rotary(model, states[0])
+    for i in range(len(states) - 1):
+        yield i, layer_logits(model, i, states[i], cos, sin)
+
+
 def _causal_probs(logits: torch.Tensor) -> torch.Tensor:
     n = logits.shape[-1]
     masked = logits.masked_fill(~causal_allowed(n, n, logits.device), torch.finfo(logits.dtype).min)
@@ -136,11 +143,9 @@ def intrinsic_rank(model, ids: torch.Tensor, *, threshold: float = 0.9, rtol: fl
 
     The numerical rank is meaningful only for a float64 model: a dot-product head has rank <= d (a Gram matrix), a
     homogeneous metric <= d + 1, and a heterogeneous metric can exceed d + 1 (DESIGN 1.2's non-Gram property)."""
-    states = residual_stream(model, ids)
-    cos, sin = rotary(model, states[0])
     layers = []
-    for i in range(len(states) - 1):
-        logits = layer_logits(model, i, states[i], cos, sin).to(torch.float64)  # (B, H, n, n)
+    for i, logits in each_layer_logits(model, residual_stream(model, ids)):
+        logits = logits.to(torch.float64)  # (B, H, n, n)
         text = energy_effective_rank(centre_rows(logits), threshold=threshold).to(torch.float64)  # (B, H)
         numeric = numerical_rank(logits, rtol=rtol)  # (B, H)
         wqk = energy_effective_rank(singular=interaction_spectrum(model, i), threshold=threshold)  # (H,)
@@ -173,11 +178,8 @@ def suggest_metric_rank(model, ids: torch.Tensor, *, threshold: float = 0.9) -> 
     Why: real text concentrates each head's logit field into a few directions (the intrinsic rank); per-token metrics
     of that rank can re-weight every direction the text uses, and a larger rank spends parameters on directions the
     text does not excite. Returns r and the figures behind it (for the conversion report)."""
-    states = residual_stream(model, ids)
-    cos, sin = rotary(model, states[0])
     ranks = []
-    for i in range(len(states) - 1):
-        logits = layer_logits(model, i, states[i], cos, sin)
+    for _, logits in each_layer_logits(model, residual_stream(model, ids)):
         ranks += energy_effective_rank(centre_rows(logits), threshold=threshold).flatten().tolist()
     d = decoder(model).layers[0].self_attn.head_dim
     median = float(torch.tensor(ranks, dtype=torch.float64).median())
@@ -232,14 +234,14 @@ def context_bins(n: int) -> list[tuple[int, int]]:
     return bins
 
 
-def entropy_by_context(model, states, cos, sin) -> dict:
+def entropy_by_context(model, states) -> dict:
     """Mean attention entropy (nats, causal softmax, over samples and heads) per layer and context-length bin; the
     uniform distribution's entropy log(c) is the ceiling at context length c."""
     n = states[0].shape[1]
     bins = context_bins(n)
     per_layer = []
-    for i in range(len(states) - 1):
-        entropy = attention_entropy(_causal_probs(layer_logits(model, i, states[i], cos, sin)))  # (B, H, n)
+    for _, logits in each_layer_logits(model, states):
+        entropy = attention_entropy(_causal_probs(logits))  # (B, H, n)
         by_position = entropy.mean(dim=(0, 1))  # (n,): row i has context length i + 1
         per_layer.append([by_position[lo - 1 : hi].mean().item() for lo, hi in bins])
     uniform = [torch.log(torch.arange(lo, hi + 1, dtype=torch.float64)).mean().item() for lo, hi in bins]
@@ -268,9 +270,8 @@ def geometry_report(model, ids: torch.Tensor, *, eps_values=None, norm_layers=No
         key = "final" if i == "final" else f"layer{i}"
         norms[key] = norm_lipschitz(module.weight, eps_values, data, seed)
         norms[key]["model_eps"] = float(getattr(module, "variance_epsilon", getattr(module, "eps", float("nan"))))
-    cos, sin = rotary(model, states[0])
     return {"proxies": geometry_proxies(model, ids), "rmsnorm_lipschitz": norms,
-            "attention_entropy": entropy_by_context(model, states, cos, sin)}
+            "attention_entropy": entropy_by_context(model, states)}
 
 
 def gate_ablation(model, eval_ids: torch.Tensor, batch_size: int = 8) -> dict | None:

@@ -35,6 +35,14 @@ def _held_out_ids(tokenizer, blocks: int, block_size: int = 256) -> torch.Tensor
     return torch.tensor(packed[: min(blocks, len(packed))]["input_ids"])
 
 
+def _finish(results: dict, started: float, output_dir, name: str, plot) -> dict:
+    """Record the wall time, write ``name``.json and ``name``.png into ``output_dir``; return the results."""
+    results["seconds"] = time.perf_counter() - started
+    write_json(Path(output_dir) / f"{name}.json", results)
+    plot(results, Path(output_dir) / f"{name}.png")
+    return results
+
+
 def _bar(total, desc, progress):
     from tqdm.auto import tqdm
 
@@ -75,11 +83,7 @@ def run_collapse(output_dir: str | Path, *, models=(), labels=None, samples: int
             results["models"][label] = {**model_collapse(model, ids), "samples": samples, "tokens": length}
             bar.update(1)
         bar.close()
-    results["seconds"] = time.perf_counter() - started
-    output_dir = Path(output_dir)
-    write_json(output_dir / "collapse.json", results)
-    plot_collapse(results, output_dir / "collapse.png")
-    return results
+    return _finish(results, started, output_dir, "collapse", plot_collapse)
 
 
 def run_intrinsic_rank(output_dir: str | Path, models, *, labels=None, samples: int = 4, length: int = 512,
@@ -92,11 +96,7 @@ def run_intrinsic_rank(output_dir: str | Path, models, *, labels=None, samples: 
         bar = _bar(len(decoder(model).layers), f"intrinsic rank: {label}", progress)
         results["models"][label] = intrinsic_rank(model, ids, threshold=threshold, rtol=rtol, progress=bar)
         bar.close()
-    results["seconds"] = time.perf_counter() - started
-    output_dir = Path(output_dir)
-    write_json(output_dir / "intrinsic_rank.json", results)
-    plot_intrinsic_rank(results, output_dir / "intrinsic_rank.png")
-    return results
+    return _finish(results, started, output_dir, "intrinsic_rank", plot_intrinsic_rank)
 
 
 def run_geometry(output_dir: str | Path, models, *, labels=None, samples: int = 4, length: int = 512, eps_values=None,
@@ -114,8 +114,4 @@ def run_geometry(output_dir: str | Path, models, *, labels=None, samples: int = 
             results["models"][label]["ablation"] = gate_ablation(model, _held_out_ids(tokenizer, ablation_blocks))
         bar.update(1)
     bar.close()
-    results["seconds"] = time.perf_counter() - started
-    output_dir = Path(output_dir)
-    write_json(output_dir / "geometry.json", results)
-    plot_geometry(results, output_dir / "geometry.png")
-    return results
+    return _finish(results, started, output_dir, "geometry", plot_geometry)

@@ -219,8 +219,7 @@ def build_optimizer(model, geometry: str, *, lr: float, riemannian_lr: float | N
     paired = {id(p) for pair in pairs for p in pair["params"]}
     rest = [p for p in model.parameters() if p.requires_grad and id(p) not in paired]
     for pair in pairs:
-        pair.pop("name")
-        pair.update(lr=riemannian_lr or lr)
+        pair["lr"] = riemannian_lr or lr
     groups = pairs + ([{"params": rest, "geometry": "adamw", "lr": lr, "weight_decay": weight_decay}] if rest else [])
     return FactoredRiemannianOptimizer(groups, geometry=geometry, lr=lr, momentum=momentum,
                                        weight_decay=weight_decay if geometry in FIXED_RANK else 0.0,
