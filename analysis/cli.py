@@ -24,6 +24,26 @@ def _compare(args) -> int:
     return 0
 
 
+def _optimizers(args) -> int:
+    from .optimizers import run_optimizer_comparison
+
+    grids = {name: args.learning_rates for name in args.optimizers} if args.learning_rates else None
+    results = run_optimizer_comparison(args.converted, args.out, optimizers=args.optimizers, grids=grids,
+                                       seeds=args.seeds, mode=args.mode, block=args.block, lora_r=args.lora_r,
+                                       max_steps=args.max_steps, batch_size=args.batch_size,
+                                       block_size=args.block_size, max_eval_blocks=args.eval_blocks)
+    print(f"{args.mode}, token budget {results['budget']['tokens']:,} per run, held-out loss before "
+          f"{results['eval_loss_before']:.4f}")
+    for name, row in results["summary"].items():
+        loss = "diverged" if row["eval_loss_after_mean"] is None else \
+            f"{row['eval_loss_after_mean']:.4f} ± {row['eval_loss_after_std']:.4f}"
+        edge = " (best rate at the grid's edge)" if row["at_grid_edge"] else ""
+        print(f"  {name:20s} lr {row['learning_rate']:.3g}{edge}: eval loss {loss} ({row['seeds']} seeds), "
+              f"{row['seconds_per_step_mean']:.2f} s/step ({row.get('time_vs_adamw', float('nan')):.2f} x AdamW)")
+    print(f"-> {Path(args.out) / 'optimizers.json'}")
+    return 0
+
+
 def _collapse(args) -> int:
     from .reports import run_collapse
     from .stacks import StackSpec
@@ -102,6 +122,7 @@ def _model_arguments(parser, *, required: bool) -> None:
 
 def add_analyze_parser(commands) -> None:
     """Register ``analyze`` and its subcommands on the ``fiber-bundle`` parser's subparsers."""
+    from fiber_bundle.training.riemannian import OPTIMIZERS
     analyze = commands.add_parser(
         "analyze", help="measure rank collapse, intrinsic rank and the geometry; compare with LoRA",
         description="Measurements of the open problem (rank collapse), each writing JSON figures and a PNG plot.",
@@ -178,6 +199,30 @@ def add_analyze_parser(commands) -> None:
     compare.add_argument("--eval-blocks", type=int, default=None,
                          help="score on the first N held-out blocks only (default: all)")
     compare.set_defaults(handler=_run(_compare))
+
+    optimizers = sub.add_parser(
+        "optimizers", help="Riemannian optimisers vs AdamW, each at its best swept learning rate",
+        description="For each optimiser: a learning-rate sweep on the first seed (a grid, then the geometric "
+                    "midpoints around the best), the best rate re-run on every seed; held-out eval loss (mean ± std) "
+                    "and seconds per step relative to AdamW. The Riemannian optimisers train the factored pairs; the "
+                    "other parameters use AdamW at AdamW's best rate. A rerun continues a stopped comparison.",
+    )
+    optimizers.add_argument("converted", help="a converted Fiber Bundle folder (its metric at the graft value)")
+    optimizers.add_argument("--out", required=True, help="folder for optimizers.json")
+    optimizers.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=list(OPTIMIZERS),
+                            help="which optimisers to compare (AdamW runs first)")
+    optimizers.add_argument("--learning-rates", type=float, nargs="+", default=None,
+                            help="one sweep grid for every optimiser (default: each optimiser's own grid)")
+    optimizers.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
+                            help="seeds; the first one is used for the sweep")
+    optimizers.add_argument("--mode", choices=["metric-only", "lora"], default="metric-only", help="the task")
+    optimizers.add_argument("--block", action="store_true", help="the block variants of the geometries")
+    optimizers.add_argument("--lora-r", type=int, default=8, help="LoRA rank in --mode lora")
+    optimizers.add_argument("--max-steps", type=int, default=16, help="optimiser steps per run")
+    optimizers.add_argument("--batch-size", type=int, default=4, help="blocks per step")
+    optimizers.add_argument("--block-size", type=int, default=256, help="tokens per block")
+    optimizers.add_argument("--eval-blocks", type=int, default=8, help="held-out blocks scored after each run")
+    optimizers.set_defaults(handler=_run(_optimizers))
 
 
 def _run(handler):

@@ -47,6 +47,21 @@ def _trainable(model) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
+def corpus(tokenizer, block_size: int, batch_size: int, max_eval_blocks: int | None = None):
+    """The main job's corpus as packed blocks: (train set, held-out set, a one-block probe batch). Pydoc topics split
+    by topic with split seed 0, so every run of every comparison scores on the same held-out blocks."""
+    from fiber_bundle.training.data import pack_blocks, pydoc_topics
+
+    train_text, eval_text = pydoc_topics(seed=0)
+    train_set = pack_blocks(train_text, tokenizer, block_size)
+    eval_set = pack_blocks(eval_text, tokenizer, block_size)
+    if max_eval_blocks is not None:
+        eval_set = eval_set.select(range(min(max_eval_blocks, len(eval_set))))
+    if len(train_set) < batch_size:
+        raise ValueError(f"the corpus holds fewer than batch_size={batch_size} blocks of {block_size} tokens.")
+    return train_set, eval_set, torch.tensor(eval_set[:1]["input_ids"])
+
+
 def run_compare(
     converted: str | Path,
     source: str | Path,
@@ -80,7 +95,6 @@ def run_compare(
     from tqdm.auto import tqdm
 
     from fiber_bundle.conversion.convert import init_geometry
-    from fiber_bundle.training.data import pack_blocks, pydoc_topics
     from fiber_bundle.training.geometry_logging import probe_geometry
     from fiber_bundle.training.trainer import evaluation_loss, train_model
 
@@ -89,14 +103,7 @@ def run_compare(
         raise ValueError(f"unknown arm(s) {sorted(unknown)}; choose from {list(ARMS)}.")
     output_dir = Path(output_dir)
     base, tokenizer = load_causal_lm(converted)
-    train_text, eval_text = pydoc_topics(seed=0)
-    train_set = pack_blocks(train_text, tokenizer, block_size)
-    eval_set = pack_blocks(eval_text, tokenizer, block_size)
-    if max_eval_blocks is not None:
-        eval_set = eval_set.select(range(min(max_eval_blocks, len(eval_set))))
-    if len(train_set) < batch_size:
-        raise ValueError(f"the corpus holds fewer than batch_size={batch_size} blocks of {block_size} tokens.")
-    probe_ids = torch.tensor(eval_set[:1]["input_ids"])
+    train_set, eval_set, probe_ids = corpus(tokenizer, block_size, batch_size, max_eval_blocks)
     metric_budget = sum(p.numel() for p in base.geometry_parameters())
     if lora_r is None:
         lora_r = equal_parameter_lora_rank(base, metric_budget)

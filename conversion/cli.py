@@ -54,7 +54,9 @@ def _train(args) -> int:
             args.model, args.output, data=args.data, eval_data=args.eval_data, mode=args.mode,
             block_size=args.block_size, max_steps=args.max_steps, learning_rate=args.learning_rate,
             batch_size=args.batch_size, seed=args.seed, lora_r=args.lora_r,
-            metric_learning_rate=args.metric_learning_rate, curvature_weight=args.curvature_weight,
+            metric_learning_rate=args.metric_learning_rate, optimizer=args.optimizer,
+            riemannian_learning_rate=args.riemannian_learning_rate, block=args.block,
+            curvature_weight=args.curvature_weight,
             torsion_weight=args.torsion_weight, report_to=args.report_to,
             **({"save_strategy": "steps", "save_steps": args.save_steps} if args.save_steps else {}),
             resume_from_checkpoint=True if args.resume else None, base_model_id=args.base_model_id,
@@ -92,6 +94,8 @@ def _rank_or_auto(value: str) -> int | str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from fiber_bundle.training.riemannian import OPTIMIZERS
+
     parser = argparse.ArgumentParser(prog="fiber-bundle", description="Fiber Bundle Transformers tools.")
     commands = parser.add_subparsers(dest="command", required=True)
     convert = commands.add_parser(
@@ -142,6 +146,16 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--metric-learning-rate", type=float, default=None,
                        help="learning rate of the metric (fiber) parameters, when it should differ from "
                             "--learning-rate (e.g. --mode lora --learning-rate 1e-3 --metric-learning-rate 2e-2)")
+    train.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw",
+                       help="adamw, or a Riemannian geometry for the factored pairs (LoRA pairs, metric generators, "
+                            "per-head W_Q / W_K in --mode full); the other parameters stay with AdamW")
+    train.add_argument("--riemannian-learning-rate", type=float, default=None,
+                       help="learning rate of the factored pairs under a Riemannian --optimizer (default: "
+                            "--learning-rate); the steps are plain Riemannian gradient steps, so rates differ from "
+                            "AdamW's")
+    train.add_argument("--block", action="store_true",
+                       help="the block variant of the geometry: each attention head's slice of a factor is its own "
+                            "factor (heads share the other one)")
     train.add_argument("--curvature-weight", type=float, default=None, help="weight of the curvature regulariser")
     train.add_argument("--torsion-weight", type=float, default=None, help="weight of the torsion regulariser")
     train.add_argument("--report-to", nargs="*", default=[], help="Trainer integrations to log to (e.g. tensorboard)")

@@ -289,6 +289,38 @@ def test_analyze_compare_end_to_end(tiny_folders, tmp_path, capsys):
     assert "lora-source" in capsys.readouterr().out
 
 
+def test_analyze_optimizers_sweeps_reseeds_and_continues(tiny_folders, tmp_path, capsys, monkeypatch):
+    from fiber_bundle.conversion.cli import main
+
+    args = ["analyze", "optimizers", str(tiny_folders / "converted"), "--out", str(tmp_path), "--optimizers",
+            "grassmann", "adamw", "--learning-rates", "0.01", "0.1", "--seeds", "0", "1", "--max-steps", "2",
+            "--batch-size", "2", "--block-size", "32", "--eval-blocks", "4"]
+    assert main(args) == 0
+    data = json.loads((tmp_path / "optimizers.json").read_text())
+    assert [r["optimizer"] for r in data["runs"]] == ["adamw"] * 4 + ["grassmann"] * 4  # AdamW first
+    for name in ("adamw", "grassmann"):
+        mine = [r for r in data["runs"] if r["optimizer"] == name]
+        sweep = mine[:3]
+        best = min(sweep, key=lambda r: r["eval_loss_after"])["learning_rate"]
+        grid_best = min(sweep[:2], key=lambda r: r["eval_loss_after"])["learning_rate"]
+        assert sweep[2]["learning_rate"] == pytest.approx(math.sqrt(0.01 * 0.1))  # the midpoint beside the grid's best
+        assert grid_best in (0.01, 0.1) and data["best"][name]["learning_rate"] == best
+        assert (mine[3]["seed"], mine[3]["learning_rate"]) == (1, best)  # the best rate re-run on the next seed
+        assert all(r["eval_loss_after"] != data["eval_loss_before"] for r in mine)  # every run trained something
+    adamw_best = data["best"]["adamw"]["learning_rate"]
+    assert {r["adamw_learning_rate"] for r in data["runs"] if r["optimizer"] == "grassmann"} == {adamw_best}
+    summary = data["summary"]
+    assert summary["adamw"]["time_vs_adamw"] == 1.0 and summary["grassmann"]["seeds"] == 2
+    assert "x AdamW" in capsys.readouterr().out
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a finished run was trained again")
+
+    monkeypatch.setattr("fiber_bundle.training.trainer.train_model", no_training)
+    assert main(args) == 0  # a rerun with the same settings continues: nothing left to train
+    assert json.loads((tmp_path / "optimizers.json").read_text())["runs"] == data["runs"]
+
+
 def test_metric_rank_auto_records_its_reason(tiny_folders, tmp_path):
     from fiber_bundle.conversion.cli import main
 

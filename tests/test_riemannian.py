@@ -71,9 +71,9 @@ def test_isometry_gradients_against_their_formulas():
     grad = target - left @ right.T  # minus the gradient of 1/2 ||L R^T - T||^2 in X
     gl, gr = -grad @ right, -grad.T @ left
     xl, xr = mf.stiefel_project(left, gl), mf.stiefel_project(right, gr)
-    hl, hr = mf.isometry_horizontal(left, right, xl, xr)
+    hl, hr = mf.isometry_horizontal([left, right], [xl, xr])
     assert torch.allclose(hl, xl, atol=1e-12) and torch.allclose(hr, xr, atol=1e-12)
-    al, ar = mf.isometry_horizontal(left, right, rand(8, 3, seed=4), rand(6, 3, seed=5))
+    al, ar = mf.isometry_horizontal([left, right], [rand(8, 3, seed=4), rand(6, 3, seed=5)])
     sym_part = left.T @ al + right.T @ ar
     assert torch.allclose(sym_part, sym_part.T, atol=1e-12)
 
@@ -210,10 +210,10 @@ def test_lora_pairs_are_found_and_trained_beside_adamw():
     (the metric) lower the loss of a tiny Fiber Bundle model."""
     from conftest import random_ids, tiny_model
     from fiber_bundle.training import LORA_TARGET_MODULES, prepare_for_training
-    from fiber_bundle.training.riemannian import lora_pairs
+    from fiber_bundle.training.riemannian import lora_groups
 
     model = prepare_for_training(tiny_model(dtype=torch.float32), "lora", lora_r=4)
-    pairs = lora_pairs(model)
+    pairs = lora_groups(model)
     assert len(pairs) == 2 * len(LORA_TARGET_MODULES)  # two layers
     for pair in pairs:
         b, a = pair["params"]
@@ -253,4 +253,178 @@ def test_trainer_runs_a_riemannian_optimizer(tmp_path, geometry):
     assert losses[-1] < losses[0]
     assert type(trainer.optimizer.optimizer).__name__ == "FactoredRiemannianOptimizer"
     kinds = [group["geometry"] for group in trainer.optimizer.param_groups]
-    assert kinds.count(geometry) == 14 and kinds[-1] == "adamw"
+    assert kinds.count(geometry) == 16 and kinds[-1] == "adamw"  # 14 LoRA pairs, 2 layers of metric generators
+    assert [g["kind"] for g in trainer.optimizer.param_groups[:-1]] == ["lora"] * 14 + ["metric"] * 2
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# block variants: heads sharing a factor
+# ----------------------------------------------------------------------------------------------------------------------
+def block_problem(geometry, heads=3, m=8, n=10, r=2, seed=0):
+    """X_h = L_h R^T for h < heads, R shared (block-rows), stored in one (heads * m) x r tensor and R^T (r x n)."""
+    if geometry in ("riemannian-quotient", "riemannian-embedded"):
+        target = torch.cat([rand(m, r, seed=seed + h) for h in range(heads)]) @ rand(r, n, seed=seed + 99)
+        left, right_t = 0.3 * rand(heads * m, r, seed=seed + 50), 0.3 * rand(r, n, seed=seed + 51)
+    else:
+        target = torch.cat([stiefel(m, r, seed + h) for h in range(heads)]) @ stiefel(n, r, seed + 99).T
+        left = torch.cat([stiefel(m, r, seed + 50 + h) for h in range(heads)])
+        right_t = stiefel(n, r, seed + 60).T.contiguous()
+    return target, torch.nn.Parameter(left), torch.nn.Parameter(right_t)
+
+
+def block_group(left, right_t, heads, block=True):
+    from fiber_bundle.training.riemannian import tensor_slice
+
+    m = left.shape[0] // heads
+    slices = [tensor_slice(0, left, start=h * m, length=m) for h in range(heads)]
+    lefts = tuple((s,) for s in slices) if block else (tuple(slices),)
+    return {"params": [left, right_t], "pairs": [(lefts, ((tensor_slice(1, right_t, transposed=True),),))]}
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+def test_block_rows_regression_converges_and_keeps_each_block_on_its_manifold(geometry):
+    heads = 3
+    target, left, right_t = block_problem(geometry, heads)
+    optimizer = FactoredRiemannianOptimizer([block_group(left, right_t, heads)], geometry=geometry, lr=0.2,
+                                            momentum=0.5)
+    assert run(optimizer, target, left, right_t, 400) < 1e-8
+    if geometry not in ("riemannian-quotient", "riemannian-embedded"):
+        for h in range(heads):  # each head's block is its own Stiefel point (the stacked left factor is not)
+            assert mf.orthonormality_error(left.detach()[h * 8 : (h + 1) * 8]) < 1e-6
+        assert mf.orthonormality_error(right_t.detach().T) < 1e-6
+        assert mf.orthonormality_error(left.detach()) > 0.5
+
+
+@pytest.mark.parametrize("geometry", ["riemannian-quotient", "riemannian-embedded"])
+def test_fixed_rank_block_step_is_the_stacked_step(geometry):
+    """The GL(r) gauge acts on all blocks at once, so a block pair steps exactly as its stacked factors do."""
+    target, left, right_t = block_problem(geometry, 3, seed=4)
+    left2, right2 = torch.nn.Parameter(left.detach().clone()), torch.nn.Parameter(right_t.detach().clone())
+    block = FactoredRiemannianOptimizer([block_group(left, right_t, 3)], geometry=geometry, lr=0.1, momentum=0.9)
+    stacked = FactoredRiemannianOptimizer([{"params": [left2, right2], "transposed": (False, True)}],
+                                          geometry=geometry, lr=0.1, momentum=0.9)
+    run(block, target, left, right_t, 20)
+    run(stacked, target, left2, right2, 20)
+    assert torch.allclose(left, left2, atol=1e-12) and torch.allclose(right_t, right2, atol=1e-12)
+
+
+def test_block_grassmann_horizontal_space():
+    """With blocks F_1..F_k sharing one O(r): after the projection sum_i F_i^T xi_i is symmetric, the removed part is
+    vertical (F_i W with W skew), and the gradient of a function of the blocks' products is already horizontal."""
+    factors = [stiefel(8, 3, 1), stiefel(8, 3, 2), stiefel(6, 3, 3)]  # L_1, L_2 sharing R
+    raw = [mf.stiefel_project(f, rand(*f.shape, seed=10 + i)) for i, f in enumerate(factors)]
+    horizontal = mf.isometry_horizontal(factors, raw)
+    total = sum(f.T @ h for f, h in zip(factors, horizontal))
+    assert torch.allclose(total, total.T, atol=1e-12)
+    w = factors[0].T @ (raw[0] - horizontal[0])
+    assert torch.allclose(w, -w.T, atol=1e-12)
+    for f, r, h in zip(factors, raw, horizontal):
+        assert torch.allclose(r - h, f @ w, atol=1e-12)  # one W for every block
+    targets = [rand(8, 6, seed=20), rand(8, 6, seed=21)]
+    grads = [-(t - f @ factors[2].T) @ factors[2] for t, f in zip(targets, factors[:2])]
+    grads.append(sum(-(t - f @ factors[2].T).T @ f for t, f in zip(targets, factors[:2])))
+    tangent = [mf.stiefel_project(f, g) for f, g in zip(factors, grads)]
+    for a, b in zip(tangent, mf.isometry_horizontal(factors, tangent)):
+        assert torch.allclose(a, b, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the factored pairs of a model
+# ----------------------------------------------------------------------------------------------------------------------
+def products(group):
+    """Each pair's blocks L_i R_j^T, read through the group's slices (what the optimiser sees)."""
+    from fiber_bundle.training.riemannian import _read
+
+    out = []
+    for lefts, rights in group["pairs"]:
+        out.append([[_read(group["params"], a) @ _read(group["params"], b).T for b in rights] for a in lefts])
+    return out
+
+
+@pytest.mark.parametrize("block", [False, True])
+def test_metric_generators_and_attention_heads_are_found_with_their_products(block):
+    from conftest import TINY, tiny_model
+    from fiber_bundle.training import prepare_for_training
+    from fiber_bundle.training.riemannian import attention_groups, factored_groups, metric_groups
+
+    model = prepare_for_training(tiny_model(), "full")
+    groups = factored_groups(model, block=block)
+    metric, attention = metric_groups(model, block=block), attention_groups(model, block=block)
+    assert len(groups) == len(metric) + len(attention) == 4 and {g["kind"] for g in groups} == {"metric", "attention"}
+    d, heads, kv = TINY["head_dim"], TINY["num_attention_heads"], TINY["num_key_value_heads"]
+    for layer, group in enumerate(attention):
+        attn = model.model.layers[layer].self_attn
+        assert len(group["pairs"]) == kv
+        for g, blocks in enumerate(products(group)):
+            expected = [attn.q_proj.weight[h * d : (h + 1) * d].T @ attn.k_proj.weight[g * d : (g + 1) * d]
+                        for h in range(g * heads // kv, (g + 1) * heads // kv)]  # W_Q,h^T W_K,g
+            got = [row[0] for row in blocks] if block else list(blocks[0][0].split(TINY["hidden_size"]))
+            assert len(got) == len(expected) and all(torch.allclose(a, b, rtol=0, atol=1e-14) for a, b in zip(got, expected))
+    for layer, group in enumerate(metric):
+        fiber = model.model.layers[layer].fiber
+        stacked = torch.cat([fiber.attn_factor_proj.weight, fiber.ffn_factor_proj.weight]) @ fiber.code_proj.weight
+        (blocks,) = products(group)
+        assert len(blocks) == (fiber.factor_heads + 1 if block else 1)
+        assert torch.allclose(torch.cat([row[0] for row in blocks]), stacked, rtol=0, atol=1e-14)  # [W_U; W_V] W_z
+    # metric-only finds only the generators
+    frozen = prepare_for_training(tiny_model(), "metric-only")
+    assert [g["kind"] for g in factored_groups(frozen, block=block)] == ["metric", "metric"]
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+def test_lora_blocks_are_heads_rows_of_b_and_columns_of_a():
+    from conftest import TINY, tiny_model
+    from fiber_bundle.training import prepare_for_training
+    from fiber_bundle.training.riemannian import _read, lora_groups
+
+    model = prepare_for_training(tiny_model(dtype=torch.float32), "lora", lora_r=4)
+    d = TINY["head_dim"]
+    by_name = {g["name"].rsplit(".", 1)[-1]: g for g in lora_groups(model, block=True) if ".layers.0." in g["name"]}
+    plain = {g["name"].rsplit(".", 1)[-1]: g for g in lora_groups(model) if ".layers.0." in g["name"]}
+    counts = {name: (len(g["pairs"][0][0]), len(g["pairs"][0][1])) for name, g in by_name.items()}
+    assert counts == {"q_proj": (TINY["num_attention_heads"], 1), "k_proj": (TINY["num_key_value_heads"], 1),
+                      "v_proj": (TINY["num_key_value_heads"], 1), "o_proj": (1, TINY["num_attention_heads"]),
+                      "gate_proj": (1, 1), "up_proj": (1, 1), "down_proj": (1, 1)}
+    b, a = by_name["q_proj"]["params"]
+    assert torch.equal(_read([b, a], by_name["q_proj"]["pairs"][0][0][1]), b[d : 2 * d].double())  # head 1 of B
+    b, a = by_name["o_proj"]["params"]
+    assert torch.equal(_read([b, a], by_name["o_proj"]["pairs"][0][1][2]), a[:, 2 * d : 3 * d].T.double())  # of A
+    assert all(len(g["pairs"][0][0]) == len(g["pairs"][0][1]) == 1 for g in plain.values())
+
+
+def test_isometry_start_keeps_the_model_and_refuses_what_it_would_change():
+    from conftest import random_ids, set_gates, tiny_model
+    from fiber_bundle.training import prepare_for_training
+    from fiber_bundle.training.riemannian import _is_orthonormal, build_optimizer, metric_groups
+
+    model = prepare_for_training(tiny_model(), "metric-only")
+    ids = random_ids(2, 12)
+    before = model(input_ids=ids).logits
+    with pytest.raises(ValueError, match="fewer rows than its rank"):  # a head's W_U block: 2 x 16 rows, rank 32
+        build_optimizer(model, "grassmann", lr=1e-2, block=True)
+    optimizer = build_optimizer(model, "grassmann", lr=1e-2)
+    assert all(_is_orthonormal(g) for g in metric_groups(model))
+    assert torch.equal(model(input_ids=ids).logits, before)  # gates at the graft value: the metric is unused
+    assert [g["geometry"] for g in optimizer.param_groups] == ["grassmann", "grassmann", "adamw"]
+    trained = prepare_for_training(set_gates(tiny_model()), "metric-only")
+    with pytest.raises(ValueError, match="gates off the graft value"):
+        build_optimizer(trained, "stiefel-euclidean", lr=1e-2)
+    build_optimizer(trained, "riemannian-quotient", lr=1e-2)  # fixed rank needs nothing
+    with pytest.raises(ValueError, match="cannot represent the trained W_Q"):
+        build_optimizer(prepare_for_training(tiny_model(), "full"), "stiefel-canonical", lr=1e-2)
+    plain = tiny_model(metric_rank=0, ffn_metric_rank=0)
+    for name, p in plain.named_parameters():
+        p.requires_grad_(name.startswith("model.norm"))
+    with pytest.raises(ValueError, match="no trainable factored pairs"):
+        build_optimizer(plain, "grassmann", lr=1e-2)
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+def test_isometry_geometry_refuses_lora_pairs_with_the_reason():
+    from conftest import tiny_model
+    from fiber_bundle.training import prepare_for_training
+    from fiber_bundle.training.riemannian import build_optimizer
+
+    model = prepare_for_training(tiny_model(dtype=torch.float32), "lora", lora_r=4)
+    with pytest.raises(ValueError, match="could not start at 0"):
+        build_optimizer(model, "grassmann", lr=1e-2)

@@ -191,9 +191,18 @@ def test_train_command_on_a_converted_folder(tmp_path):
     assert main(["train", str(folder), str(tmp_path / "o2"), "--data", str(tmp_path / "missing.txt")]) == 1
 
 
-def test_killed_run_resumes_to_the_same_weights(tmp_path, monkeypatch):
-    """A run stopped after its step-4 checkpoint and restarted from it ends with the weights of an uninterrupted run."""
-    from transformers import TrainerCallback
+# (mode, optimizer, block): AdamW in each mode, and Riemannian optimisers whose momentum state must come back from the
+# checkpoint (an embedded pair's transported tangent, a block Grassmann pair's per-factor buffers, W_Q / W_K per head)
+RESUMES = [("full", "adamw", False), ("lora", "adamw", False), ("metric-only", "adamw", False),
+           ("lora", "riemannian-embedded", True), ("metric-only", "grassmann", False),
+           ("full", "riemannian-quotient", True)]
+
+
+@pytest.mark.parametrize("mode,optimizer,block", RESUMES)
+def test_killed_run_resumes_to_the_same_weights(tmp_path, monkeypatch, mode, optimizer, block):
+    """A run stopped after its step-4 checkpoint and restarted from it ends with the weights of an uninterrupted run,
+    the optimiser's state (AdamW moments, Riemannian momentum) saved and restored through the Trainer's checkpoint."""
+    from transformers import TrainerCallback, set_seed
 
     from fiber_bundle.training.geometry_logging import GeometryLoggingTrainer
 
@@ -202,8 +211,9 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path, monkeypatch):
             if state.global_step == 5:
                 raise KeyboardInterrupt  # the process dies one step after checkpoint-4
 
-    common = dict(mode="full", max_steps=8, learning_rate=3e-3, batch_size=4, use_cpu=True, save_strategy="steps",
-                  save_steps=4, seed=7)
+    riemannian = dict(optimizer=optimizer, block=block, riemannian_learning_rate=3e-2) if optimizer != "adamw" else {}
+    common = dict(mode=mode, max_steps=8, learning_rate=3e-3, batch_size=4, use_cpu=True, save_strategy="steps",
+                  save_steps=4, seed=7, quiet=True, **riemannian)
     whole = train_model(tiny_model(dtype=torch.float32), pattern_dataset(), tmp_path / "whole", **common).model
     original_init = GeometryLoggingTrainer.__init__
 
@@ -216,10 +226,19 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path, monkeypatch):
         with pytest.raises(KeyboardInterrupt):
             train_model(tiny_model(dtype=torch.float32), pattern_dataset(), tmp_path / "killed", **common)
     assert (tmp_path / "killed" / "checkpoint-4").is_dir() and not (tmp_path / "killed" / "checkpoint-8").exists()
-    resumed = train_model(tiny_model(dtype=torch.float32), pattern_dataset(), tmp_path / "killed",
-                          resume_from_checkpoint=True, **common).model
-    for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
+    trainer = train_model(tiny_model(dtype=torch.float32), pattern_dataset(), tmp_path / "killed",
+                          resume_from_checkpoint=True, **common)
+    set_seed(7)  # as train_model does before drawing LoRA's A
+    start = prepare_for_training(tiny_model(dtype=torch.float32), mode).state_dict()
+    moved = 0
+    for (name, a), b in zip(whole.state_dict().items(), trainer.model.state_dict().values()):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+        moved += name in start and not torch.equal(a, start[name])
+    assert moved > 0  # the comparison is of trained weights
+    if optimizer != "adamw":
+        state = trainer.optimizer.optimizer.state
+        assert type(trainer.optimizer.optimizer).__name__ == "FactoredRiemannianOptimizer"
+        assert any(key.endswith(("left", "tangent_a", "momentum0")) for s in state.values() for key in s)
 
 
 @pytest.mark.heavy
@@ -322,3 +341,35 @@ def test_lora_run_records_the_hub_base_in_the_adapter(tmp_path):
                  "--base-model-id", "someone/fbt-base"]) == 0
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == "someone/fbt-base" and config["task_type"] == "CAUSAL_LM"
+
+
+def test_train_command_with_a_riemannian_optimizer(tmp_path, capsys):
+    """--optimizer grassmann: the metric generators train on the manifold (they end orthonormal), the gates with AdamW;
+    the choice is recorded; combinations that cannot work are refused with the fix."""
+    import json
+
+    from conftest import tiny_tokenizer
+    from fiber_bundle.conversion.cli import main
+    from fiber_bundle.training import manifolds
+
+    folder = tmp_path / "model"
+    tiny_model(dtype=torch.float32).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    (tmp_path / "train.txt").write_text(" ".join(f"w{3 + (7 * i) % 90}" for i in range(2000)) + "\n")
+    args = ["train", str(folder), str(tmp_path / "out"), "--data", str(tmp_path / "train.txt"), "--block-size", "32",
+            "--batch-size", "4", "--max-steps", "4", "--learning-rate", "0.05"]
+    assert main(args + ["--optimizer", "grassmann", "--riemannian-learning-rate", "0.1"]) == 0
+    metrics = json.loads((tmp_path / "out" / "training_metrics.json").read_text())
+    assert (metrics["optimizer"], metrics["riemannian_learning_rate"], metrics["block"]) == ("grassmann", 0.1, False)
+    fiber = FiberBundleForCausalLM.from_pretrained(tmp_path / "out").model.layers[0].fiber
+    start = FiberBundleForCausalLM.from_pretrained(folder).model.layers[0].fiber
+    generators = torch.cat([fiber.attn_factor_proj.weight, fiber.ffn_factor_proj.weight]).double()
+    assert manifolds.orthonormality_error(generators) < 1e-5
+    assert manifolds.orthonormality_error(fiber.code_proj.weight.T.double()) < 1e-5
+    assert manifolds.orthonormality_error(start.code_proj.weight.T.double()) > 0.5  # it was not, before training
+    assert fiber.attn_gate.abs().max() > 0
+    capsys.readouterr()
+    assert main(args + ["--optimizer", "grassmann", "--block"]) == 1  # a head's W_U block is wider than tall here
+    assert "fewer rows than its rank" in capsys.readouterr().err
+    assert main(args + ["--block"]) == 1
+    assert "apply to a Riemannian optimizer" in capsys.readouterr().err

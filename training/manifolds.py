@@ -19,6 +19,11 @@ Partial isometries (orthonormal factors): each factor on its own manifold,
 - Grassmann-type quotient: (L, R) modulo O(r) acting jointly, (L Q, R Q) ~ (L, R), which leaves L R^T unchanged; the
   Stiefel gradient with its vertical part removed (``isometry_horizontal``), momentum kept horizontal;
 each with a QR (sign-fixed) or polar retraction, and vector transport by projection onto the new tangent space.
+
+Block variants (heads sharing a factor): one side of a pair may hold several factors, X = [L_1; ...; L_k] R^T
+(block-rows: the heads' L_h share R) or X = L [R_1; ...; R_k]^T (block-columns). The fixed-rank geometries see the
+stacked factors (the GL(r) gauge acts on every block at once, so their block step is the stacked step); the isometry
+geometries keep each block orthonormal on its own Stiefel manifold, and Grassmann quotients by one O(r) for all blocks.
 """
 
 import torch
@@ -158,16 +163,19 @@ def stiefel_euclidean_gradient(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor
 
 def stiefel_canonical_gradient(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """Gradient under the canonical metric <a, b> = tr(a^T (I - x x^T / 2) b): g - x g^T x."""
-    return g - x @ g.transpose(-1, -2) @ x
+    return g - x @ (g.transpose(-1, -2) @ x)  # why: this order is m r^2, not m^2 r
 
 
-def isometry_horizontal(left, right, xi_left, xi_right):
-    """Remove the vertical part of a tangent vector of St(m, r) x St(n, r) for the quotient by O(r) acting jointly,
-    (L, R) ~ (L Q, R Q), which leaves the partial isometry L R^T unchanged: subtract (L W, R W) with
-    W = skew(L^T xi_L + R^T xi_R) / 2, so that L^T xi_L + R^T xi_R becomes symmetric."""
-    omega = 0.5 * (left.transpose(-1, -2) @ xi_left + right.transpose(-1, -2) @ xi_right)
-    omega = 0.5 * (omega - omega.transpose(-1, -2))
-    return xi_left - left @ omega, xi_right - right @ omega
+def isometry_horizontal(factors, directions):
+    """Remove the vertical part of a tangent vector of a product of Stiefel manifolds for the quotient by O(r) acting
+    on every factor at once, (F_1 Q, ..., F_k Q) ~ (F_1, ..., F_k), which leaves each product F_i F_j^T (a pair's partial
+    isometry L R^T, or each block L_h R^T when heads share R) unchanged.
+
+    The vertical space is {(F_i W)_i : W skew}; as every F_i is orthonormal, ||(F_i W)_i||^2 = k ||W||^2, so the
+    orthogonal projection subtracts F_i W with W = skew(sum_i F_i^T xi_i) / k. After it, sum_i F_i^T xi_i is symmetric."""
+    total = sum(f.transpose(-1, -2) @ xi for f, xi in zip(factors, directions))  # (r, r)
+    omega = 0.5 * (total - total.transpose(-1, -2)) / len(factors)
+    return [xi - f @ omega for f, xi in zip(factors, directions)]
 
 
 # geometry -> (Riemannian gradient of one factor, projection onto its tangent space, joint horizontal projection)

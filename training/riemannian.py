@@ -1,8 +1,10 @@
 """Riemannian optimisers for factored parameters (a ``torch.optim.Optimizer``; the math is in ``manifolds``).
 
-Each parameter group is one factored pair: ``params=[left, right]`` with the matrix that matters X = L R^T, where
-L (m x r) and R (n x r) are the stored tensors or their transposes (``transposed=(bool, bool)``: a LoRA pair stores
-B = L as (out x r) and A = R^T as (r x in), so ``transposed=(False, True)``). Geometries:
+Each parameter group is one layer's (or one LoRA layer's) factored pairs. A pair is X = L R^T with L (m x r) and R
+(n x r) in tall form; each factor is made of slices of the group's stored tensors (a LoRA pair stores B = L as
+(out x r) and A = R^T as (r x in); a head's query factor W_Q,h^T is a transposed row block of ``q_proj.weight``). One
+side of a pair may hold several factors that share the other side: the block variants (block-rows X = [L_1; ...] R^T,
+block-columns X = L [R_1; ...]^T) in which heads share a factor. Geometries:
 
 - ``riemannian-quotient``: fixed rank, quotient geometry; momentum in the total space (identity transport), decoupled
   weight decay shrinks X by (1 - lr wd).
@@ -10,8 +12,15 @@ B = L as (out x r) and A = R^T as (r x in), so ``transposed=(False, True)``). Ge
   the new tangent space; weight decay as above. A rank-deficient pair (LoRA's B = 0 at the start) has no embedded
   tangent space: it takes a quotient step until it is of full rank.
 - ``stiefel-euclidean``, ``stiefel-canonical``, ``grassmann``: each factor orthonormal (X a partial isometry; for
-  ``grassmann`` the pair modulo a joint rotation); momentum transported by projection; QR or polar retraction. The factors must start orthonormal (``orthonormalize_``), and
+  ``grassmann`` the factors modulo one joint rotation); momentum transported by projection; QR or polar retraction.
+  The factors must start orthonormal (``start_on_isometries_`` does it without changing the model's function), and
   weight decay is refused (it would leave the manifold).
+
+Which pairs a model has (``factored_groups``): LoRA (B, A) pairs, each layer's metric generators (W_U and W_V share the
+fibre code W_z: X = [W_U; W_V] W_z), and, when the attention projections train (``full``), per-head W_Q,h^T W_K,g with
+the query heads of a KV group g sharing its key factor. Two are not exact matrix products, and that is stated rather than
+hidden: the code passes through ``metric_act`` (tanh by default) and the query / key through RoPE, so the quotient's
+GL(r) invariance holds only approximately there; the optimiser still follows the geometry of the factors themselves.
 """
 
 import torch
@@ -21,35 +30,89 @@ from . import manifolds as mf
 
 GEOMETRIES = ("riemannian-quotient", "riemannian-embedded", "stiefel-euclidean", "stiefel-canonical", "grassmann")
 FIXED_RANK = GEOMETRIES[:2]
+OPTIMIZERS = ("adamw",) + GEOMETRIES  # the choices of ``fiber-bundle train --optimizer``
 
 
-def _as_tall(tensor: torch.Tensor, transposed: bool) -> torch.Tensor:
-    return tensor.transpose(0, 1) if transposed else tensor
+# ----------------------------------------------------------------------------------------------------------------------
+# factors as slices of stored tensors
+# ----------------------------------------------------------------------------------------------------------------------
+# A slice is (index of the tensor in the group's params, dim, start, length, transposed): the tall-form view
+# tensor.narrow(dim, start, length), transposed when the tensor stores the factor's transpose. A factor is a tuple of
+# slices stacked row-wise; a pair is (left factors, right factors).
+
+
+def tensor_slice(index: int, tensor: torch.Tensor, *, dim: int = 0, start: int = 0, length: int | None = None,
+                 transposed: bool = False) -> tuple:
+    return (index, dim, start, tensor.shape[dim] - start if length is None else length, transposed)
+
+
+def whole_pair(left: torch.Tensor, right: torch.Tensor, transposed=(False, False)) -> tuple:
+    """The pair (left, right) of a group whose params are [left, right], each one whole factor."""
+    return (((tensor_slice(0, left, transposed=transposed[0]),),),
+            ((tensor_slice(1, right, transposed=transposed[1]),),))
+
+
+def _view(tensor: torch.Tensor, piece: tuple) -> torch.Tensor:
+    _, dim, start, length, transposed = piece
+    view = tensor.narrow(dim, start, length)
+    return view.transpose(0, 1) if transposed else view
+
+
+def _read(params, factor, grad: bool = False) -> torch.Tensor:
+    """A factor (or its gradient) in tall form, float64: its slices stacked row-wise."""
+    parts = []
+    for piece in factor:
+        tensor = params[piece[0]]
+        if grad:
+            parts.append(torch.zeros_like(_view(tensor, piece), dtype=torch.float64) if tensor.grad is None
+                         else _view(tensor.grad, piece).to(torch.float64))
+        else:
+            parts.append(_view(tensor, piece).to(torch.float64))
+    return torch.cat(parts, dim=0)
+
+
+def _write(params, factor, value: torch.Tensor) -> None:
+    row = 0
+    for piece in factor:
+        view = _view(params[piece[0]], piece)
+        view.copy_(value[row : row + view.shape[0]].to(view.dtype))
+        row += view.shape[0]
 
 
 @torch.no_grad()
 def orthonormalize_(tensor: torch.Tensor, transposed: bool = False) -> torch.Tensor:
     """Replace a factor in place by the Q of its QR decomposition (columns of the tall form orthonormal)."""
-    tall = _as_tall(tensor, transposed)
+    tall = tensor.transpose(0, 1) if transposed else tensor
     tall.copy_(mf.qr_retract(tall.to(torch.float64)).to(tensor.dtype))
     return tensor
 
 
+@torch.no_grad()
+def orthonormalize_group_(group: dict) -> None:
+    """Every factor of every pair of a group replaced by the Q of its QR decomposition (in place)."""
+    for lefts, rights in group["pairs"]:
+        for factor in lefts + rights:
+            _write(group["params"], factor, mf.qr_retract(_read(group["params"], factor)))
+
+
 class FactoredRiemannianOptimizer(torch.optim.Optimizer):
-    """Riemannian gradient descent with momentum on factored pairs; one parameter group per pair.
+    """Riemannian gradient descent with momentum on factored pairs.
 
     Arguments:
-        pairs: a list of dicts, each ``{"params": [left, right], "transposed": (bool, bool)}`` plus any per-pair
-            override of the defaults below.
+        groups: parameter-group dicts: ``{"params": [tensors], "pairs": [(left factors, right factors), ...]}`` (see
+            ``tensor_slice``; ``factored_groups`` builds them for a model), or the short form of one whole pair
+            ``{"params": [left, right], "transposed": (bool, bool)}``, or ``{"params": [...], "geometry": "adamw"}``
+            for parameters that are not factored (torch's AdamW update, with ``betas`` / ``eps`` if given). Any
+            default below may be overridden per group; extra keys (a ``name``) are kept.
         geometry: one of ``GEOMETRIES``.
         lr: step size; momentum: heavy-ball coefficient (0 disables it); weight_decay: decoupled, fixed-rank only.
         retraction: "qr" or "polar" (partial isometries).
         damping: relative regularisation of the quotient geometry's Gram inverses.
     The computation runs in float64 (factors are small); state (momentum) is kept in the parameters' dtype, as
-    ``load_state_dict`` restores it, so a resumed run continues exactly.
+    ``load_state_dict`` restores it, so a resumed run continues exactly. A group's state lives under its first tensor.
     """
 
-    def __init__(self, pairs, geometry: str = "riemannian-quotient", lr: float = 1e-3, momentum: float = 0.9,
+    def __init__(self, groups, geometry: str = "riemannian-quotient", lr: float = 1e-3, momentum: float = 0.9,
                  weight_decay: float = 0.0, retraction: str = "qr", damping: float = 1e-8):
         if geometry not in GEOMETRIES:
             raise ValueError(f"geometry {geometry!r} is not one of {GEOMETRIES}.")
@@ -58,31 +121,42 @@ class FactoredRiemannianOptimizer(torch.optim.Optimizer):
         if lr <= 0 or not 0 <= momentum < 1 or weight_decay < 0:
             raise ValueError(f"need lr > 0, 0 <= momentum < 1, weight_decay >= 0 (got {lr}, {momentum}, {weight_decay}).")
         defaults = dict(geometry=geometry, lr=lr, momentum=momentum, weight_decay=weight_decay, retraction=retraction,
-                        damping=damping, transposed=(False, False))
-        pairs = [dict(pair) for pair in pairs]  # why: torch fills defaults into the group dicts; keep the caller's
-        super().__init__(pairs, defaults)
+                        damping=damping)
+        groups = [_with_pairs(dict(group)) for group in groups]  # why: torch fills defaults into the group dicts
+        super().__init__(groups, defaults)
         for group in self.param_groups:
             self._check_group(group)
 
     def _check_group(self, group):
         if group["geometry"] == "adamw":  # the parameters that are not factored pairs: torch's AdamW, unchanged
             return
-        if len(group["params"]) != 2:
-            raise ValueError(f"a factored pair has exactly two tensors (left, right), got {len(group['params'])}.")
-        left, right = (_as_tall(p, t) for p, t in zip(group["params"], group["transposed"]))
-        if left.dim() != 2 or right.dim() != 2 or left.shape[1] != right.shape[1]:
-            raise ValueError(f"factors must be matrices sharing their rank dimension: L {tuple(left.shape)}, "
-                             f"R {tuple(right.shape)} (check `transposed`).")
         if group["geometry"] not in GEOMETRIES:
             raise ValueError(f"geometry {group['geometry']!r} is not one of {GEOMETRIES} (or 'adamw').")
-        if group["geometry"] not in FIXED_RANK:
+        params, label = group["params"], group.get("name", "a factored group")
+        for lefts, rights in group["pairs"]:
+            if not lefts or not rights:
+                raise ValueError(f"{label}: a pair needs at least one left and one right factor.")
+            ranks = set()
+            for factor in lefts + rights:
+                for piece in factor:
+                    if not 0 <= piece[0] < len(params) or params[piece[0]].dim() != 2:
+                        raise ValueError(f"{label}: slice {piece} does not name a matrix of the group's params.")
+                    ranks.add(_view(params[piece[0]], piece).shape[1])
+            if len(ranks) != 1:
+                raise ValueError(f"{label}: factors must share their rank dimension (tall-form column counts {sorted(ranks)}; "
+                                 "check `transposed`).")
+            if group["geometry"] in FIXED_RANK:
+                continue
             if group["weight_decay"] > 0:
                 raise ValueError(f"weight decay would leave the manifold of {group['geometry']}: use weight_decay=0.")
-            for factor in (left, right):
-                error = mf.orthonormality_error(factor.detach().to(torch.float64))
+            for factor in lefts + rights:
+                tall = _read(params, factor)
+                _check_tall(tall, group["geometry"], label)
+                error = mf.orthonormality_error(tall)
                 if error > 1e-4:
-                    raise ValueError(f"{group['geometry']} needs orthonormal factors (max |X^T X - I| = {error:.2e}): "
-                                     "initialise them with fiber_bundle.training.riemannian.orthonormalize_, or "
+                    raise ValueError(f"{label}: {group['geometry']} needs orthonormal factors (max |X^T X - I| = "
+                                     f"{error:.2e}, shape {tuple(tall.shape)}): initialise them with "
+                                     "fiber_bundle.training.riemannian.start_on_isometries_ (or orthonormalize_), or "
                                      "choose a fixed-rank geometry.")
 
     @torch.no_grad()
@@ -95,26 +169,28 @@ class FactoredRiemannianOptimizer(torch.optim.Optimizer):
             if group["geometry"] == "adamw":
                 self._adamw_step(group)
                 continue
-            left_p, right_p = group["params"]
-            if left_p.grad is None and right_p.grad is None:
+            params = group["params"]
+            if all(p.grad is None for p in params):
                 continue
-            t_left, t_right = group["transposed"]
-            left = _as_tall(left_p, t_left).to(torch.float64)
-            right = _as_tall(right_p, t_right).to(torch.float64)
-            g_left = _grad(left_p, t_left, left)
-            g_right = _grad(right_p, t_right, right)
-            geometry = group["geometry"]
-            if geometry == "riemannian-embedded":
-                new_left, new_right = self._embedded_step(group, left, right, g_left, g_right)
-            elif geometry == "riemannian-quotient":
-                new_left, new_right = self._quotient_step(group, left, right, g_left, g_right)
-            else:
-                new_left, new_right = self._isometry_step(group, left, right, g_left, g_right)
-            if group["weight_decay"] > 0:  # decoupled: X <- (1 - lr wd) X, shared evenly by the factors
-                shrink = (1.0 - group["lr"] * group["weight_decay"]) ** 0.5
-                new_left, new_right = new_left * shrink, new_right * shrink
-            _as_tall(left_p, t_left).copy_(new_left.to(left_p.dtype))
-            _as_tall(right_p, t_right).copy_(new_right.to(right_p.dtype))
+            state = self.state[params[0]]
+            for index, (lefts, rights) in enumerate(group["pairs"]):
+                factors = [_read(params, f) for f in lefts + rights]
+                grads = [_read(params, f, grad=True) for f in lefts + rights]
+                if group["geometry"] in FIXED_RANK:  # the stacked factors (a block pair's gauge acts on all blocks)
+                    k = len(lefts)
+                    left, right = torch.cat(factors[:k]), torch.cat(factors[k:])
+                    g_left, g_right = torch.cat(grads[:k]), torch.cat(grads[k:])
+                    step = self._embedded_step if group["geometry"] == "riemannian-embedded" else self._quotient_step
+                    left, right = step(group, state, f"{index}.", left, right, g_left, g_right)
+                    if group["weight_decay"] > 0:  # decoupled: X <- (1 - lr wd) X, shared evenly by the factors
+                        shrink = (1.0 - group["lr"] * group["weight_decay"]) ** 0.5
+                        left, right = left * shrink, right * shrink
+                    new = list(torch.split(left, [f.shape[0] for f in factors[:k]])) + \
+                        list(torch.split(right, [f.shape[0] for f in factors[k:]]))
+                else:
+                    new = self._isometry_step(group, state, f"{index}.", factors, grads)
+                for factor, value in zip(lefts + rights, new):
+                    _write(params, factor, value)
         return loss
 
     def _adamw_step(self, group):
@@ -132,95 +208,241 @@ class FactoredRiemannianOptimizer(torch.optim.Optimizer):
             eps=group.get("eps", 1e-8), maximize=False,
         )
 
-    def _quotient_step(self, group, left, right, g_left, g_right):
-        xi_left, xi_right = mf.quotient_gradient(left, right, g_left, g_right, group["damping"])
-        xi_left = self._heavy_ball(group["params"][0], xi_left, group["momentum"])
-        xi_right = self._heavy_ball(group["params"][1], xi_right, group["momentum"])
-        return left - group["lr"] * xi_left, right - group["lr"] * xi_right
-
-    def _heavy_ball(self, param, direction, momentum):
-        if momentum == 0:
+    @staticmethod
+    def _heavy_ball(group, state, key, direction):
+        if group["momentum"] == 0:
             return direction
-        state = self.state[param]
-        buffer = state.get("momentum_buffer")
-        if buffer is None or buffer.shape != direction.shape:
-            buffer = direction.clone()
-        else:
-            buffer = momentum * buffer.to(direction) + direction
-        state["momentum_buffer"] = buffer.to(param.dtype)  # stored as the parameter (as torch restores it)
+        buffer = state.get(key)
+        buffer = direction.clone() if buffer is None else group["momentum"] * buffer.to(direction) + direction
+        state[key] = buffer.to(group["params"][0].dtype)  # stored as the parameter (as torch restores it)
         return buffer
 
-    def _embedded_step(self, group, left, right, g_left, g_right):
+    def _quotient_step(self, group, state, prefix, left, right, g_left, g_right):
+        xi_left, xi_right = mf.quotient_gradient(left, right, g_left, g_right, group["damping"])
+        xi_left = self._heavy_ball(group, state, prefix + "left", xi_left)
+        xi_right = self._heavy_ball(group, state, prefix + "right", xi_right)
+        return left - group["lr"] * xi_left, right - group["lr"] * xi_right
+
+    def _embedded_step(self, group, state, prefix, left, right, g_left, g_right):
         frame = mf.embedded_frame(left, right)
-        left_state, right_state = self.state[group["params"][0]], self.state[group["params"][1]]
         if not (mf.is_full_rank(frame[3]) and mf.is_full_rank(frame[4])):
-            left_state.pop("tangent_a", None)
-            right_state.pop("tangent_b", None)
-            return self._quotient_step({**group, "momentum": 0.0}, left, right, g_left, g_right)
+            state.pop(prefix + "tangent_a", None)
+            state.pop(prefix + "tangent_b", None)
+            return self._quotient_step({**group, "momentum": 0.0}, state, prefix, left, right, g_left, g_right)
         tangent = mf.embedded_gradient(frame, g_left, g_right)
         if group["momentum"] > 0:
-            if "tangent_a" in left_state:  # transport the previous direction to this tangent space, then add
-                old = mf.embedded_project(frame, left_state["tangent_a"].to(left), right_state["tangent_b"].to(left))
+            if prefix + "tangent_a" in state:  # transport the previous direction to this tangent space, then add
+                old = mf.embedded_project(frame, state[prefix + "tangent_a"].to(left),
+                                          state[prefix + "tangent_b"].to(left))
                 tangent = tuple(group["momentum"] * o + t for o, t in zip(old, tangent))
             a, b = mf.tangent_factors(frame, tangent)
-            left_state["tangent_a"] = a.to(group["params"][0].dtype)  # stored as the parameter (as torch restores it)
-            right_state["tangent_b"] = b.to(group["params"][1].dtype)
+            dtype = group["params"][0].dtype  # stored as the parameter (as torch restores it)
+            state[prefix + "tangent_a"], state[prefix + "tangent_b"] = a.to(dtype), b.to(dtype)
         return mf.embedded_retract(frame, tangent, -group["lr"])
 
-    def _isometry_step(self, group, left, right, g_left, g_right):
+    def _isometry_step(self, group, state, prefix, factors, grads):
         gradient, project, horizontal = mf.ISOMETRY_GEOMETRIES[group["geometry"]]
 
-        def tangent(xi_left, xi_right):  # onto the tangent (and horizontal) space at the current point
-            xi_left, xi_right = project(left, xi_left), project(right, xi_right)
-            return horizontal(left, right, xi_left, xi_right) if horizontal else (xi_left, xi_right)
+        def tangent(directions):  # onto the tangent (and horizontal) space at the current point
+            directions = [project(f, d) for f, d in zip(factors, directions)]
+            return horizontal(factors, directions) if horizontal else directions
 
-        xi_left, xi_right = gradient(left, g_left), gradient(right, g_right)
+        xi = [gradient(f, g) for f, g in zip(factors, grads)]
         if horizontal:
-            xi_left, xi_right = horizontal(left, right, xi_left, xi_right)
+            xi = horizontal(factors, xi)
         if group["momentum"] > 0:
-            left_state, right_state = self.state[group["params"][0]], self.state[group["params"][1]]
-            if "momentum_buffer" in left_state:  # vector transport by projection, then the heavy-ball sum
-                old_left, old_right = tangent(left_state["momentum_buffer"].to(left),
-                                              right_state["momentum_buffer"].to(right))
-                xi_left, xi_right = group["momentum"] * old_left + xi_left, group["momentum"] * old_right + xi_right
-            left_state["momentum_buffer"] = xi_left.to(group["params"][0].dtype)  # as torch restores it
-            right_state["momentum_buffer"] = xi_right.to(group["params"][1].dtype)
+            keys = [f"{prefix}momentum{i}" for i in range(len(factors))]
+            if keys[0] in state:  # vector transport by projection, then the heavy-ball sum
+                old = tangent([state[key].to(f) for key, f in zip(keys, factors)])
+                xi = [group["momentum"] * o + x for o, x in zip(old, xi)]
+            for key, x in zip(keys, xi):
+                state[key] = x.to(group["params"][0].dtype)  # stored as the parameter (as torch restores it)
         retract = mf.RETRACTIONS[group["retraction"]]
-        return retract(left - group["lr"] * xi_left), retract(right - group["lr"] * xi_right)
+        return [retract(f - group["lr"] * x) for f, x in zip(factors, xi)]
 
 
-def _grad(param, transposed, like):
-    if param.grad is None:
-        return torch.zeros_like(like)
-    return _as_tall(param.grad, transposed).to(torch.float64)
+def _check_tall(factor: torch.Tensor, geometry: str, label: str) -> None:
+    if factor.shape[0] < factor.shape[1]:
+        raise ValueError(f"{label}: a factor of shape {tuple(factor.shape)} has fewer rows than its rank, so it cannot "
+                         f"have orthonormal columns as {geometry} needs: drop --block (stack the heads' slices) or "
+                         "choose a fixed-rank geometry.")
 
 
-def lora_pairs(model, adapter: str = "default") -> list[dict]:
-    """The factored pairs of a PEFT LoRA model: for every LoRA layer, (B, A) with X = B A, i.e. L = B (out x r) and
-    R^T = A (r x in). Returns parameter-group dicts for ``FactoredRiemannianOptimizer`` (with a ``name`` each)."""
-    pairs = []
+def _with_pairs(group: dict) -> dict:
+    """The short form {"params": [left, right], "transposed": ...} of one whole pair, in the general form."""
+    if group.get("geometry") == "adamw":
+        return group
+    group["params"] = list(group["params"])
+    if "pairs" not in group:
+        if len(group["params"]) != 2:
+            raise ValueError(f"a group without 'pairs' is one factored pair of exactly two tensors (left, right), got "
+                             f"{len(group['params'])}.")
+        group["pairs"] = [whole_pair(*group["params"], group.pop("transposed", (False, False)))]
+    return group
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the factored pairs of a model
+# ----------------------------------------------------------------------------------------------------------------------
+# LoRA targets whose factor is split by attention heads in the block variant: the heads are row blocks of B (q, k, v:
+# block-rows, the heads share A) or column blocks of A (o: block-columns, the heads share B).
+HEAD_BLOCKS = {"q_proj": ("rows", "num_attention_heads"), "k_proj": ("rows", "num_key_value_heads"),
+               "v_proj": ("rows", "num_key_value_heads"), "o_proj": ("columns", "num_attention_heads")}
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _blocks(index, tensor, dim, count, size, transposed) -> tuple:
+    if tensor.shape[dim] != count * size:
+        raise ValueError(f"cannot split a dimension of {tensor.shape[dim]} into {count} heads of {size}.")
+    return tuple((tensor_slice(index, tensor, dim=dim, start=h * size, length=size, transposed=transposed),)
+                 for h in range(count))
+
+
+def lora_groups(model, *, block: bool = False, adapter: str = "default") -> list[dict]:
+    """The LoRA pairs of a PEFT model: for every LoRA layer, X = B A, i.e. L = B (out x r), R^T = A (r x in). With
+    ``block``, the attention heads of q/k/v (row blocks of B) and of o (column blocks of A) are separate factors."""
+    config = model.config
+    groups = []
     for name, module in model.named_modules():
         lora_a, lora_b = getattr(module, "lora_A", None), getattr(module, "lora_B", None)
         if lora_a is None or lora_b is None or adapter not in lora_a:
             continue
         b, a = lora_b[adapter].weight, lora_a[adapter].weight
-        if b.requires_grad and a.requires_grad:
-            pairs.append({"params": [b, a], "transposed": (False, True), "name": name})
-    return pairs
+        if not (b.requires_grad and a.requires_grad):
+            continue
+        lefts, rights = ((tensor_slice(0, b),),), ((tensor_slice(1, a, transposed=True),),)
+        kind = HEAD_BLOCKS.get(name.rsplit(".", 1)[-1])
+        if block and kind:
+            heads = getattr(config, kind[1])
+            if kind[0] == "rows":
+                lefts = _blocks(0, b, 0, heads, _head_dim(config), False)
+            else:
+                rights = _blocks(1, a, 1, heads, _head_dim(config), True)
+        groups.append({"params": [b, a], "pairs": [(lefts, rights)], "name": name, "kind": "lora"})
+    return groups
+
+
+def metric_groups(model, *, block: bool = False) -> list[dict]:
+    """Each layer's metric generators: X = [W_U; W_V] W_z (W_U, W_V stored as (out x m), W_z as (m x D), so
+    R = W_z^T). Non-block: [W_U; W_V] is one left factor; block: one factor per factor-head row block of W_U, and W_V."""
+    groups = []
+    for name, module in model.named_modules():
+        code = getattr(module, "code_proj", None)
+        generators = [getattr(module, n, None) for n in ("attn_factor_proj", "ffn_factor_proj")]
+        generators = [g.weight for g in generators if g is not None and g.weight.requires_grad]
+        if code is None or not code.weight.requires_grad or not generators:
+            continue
+        params = [code.weight, *generators]
+        rights = ((tensor_slice(0, code.weight, transposed=True),),)
+        if block:
+            lefts = ()
+            for index, weight in enumerate(generators, start=1):
+                if getattr(module, "attn_factor_proj", None) is not None and weight is module.attn_factor_proj.weight:
+                    lefts += _blocks(index, weight, 0, module.factor_heads, module.metric_rank * module.head_dim, False)
+                else:
+                    lefts += ((tensor_slice(index, weight),),)
+        else:
+            lefts = (tuple(tensor_slice(i, w) for i, w in enumerate(generators, start=1)),)
+        groups.append({"params": params, "pairs": [(lefts, rights)], "name": name, "kind": "metric"})
+    return groups
+
+
+def attention_groups(model, *, block: bool = False) -> list[dict]:
+    """Per-head W_Q,h^T W_K,g (D x D, rank head_dim) of every attention layer whose q_proj / k_proj weights train, one
+    pair per KV group g (its query heads share the key factor). Non-block: the group's query heads stacked as one left
+    factor; block: one factor per query head. One parameter group per layer (a tensor sits in one group only)."""
+    config = model.config
+    d, heads, kv = _head_dim(config), config.num_attention_heads, config.num_key_value_heads
+    groups = []
+    for name, module in model.named_modules():
+        q, k = getattr(module, "q_proj", None), getattr(module, "k_proj", None)
+        if not (isinstance(q, torch.nn.Linear) and isinstance(k, torch.nn.Linear)):
+            continue
+        if not (q.weight.requires_grad and k.weight.requires_grad):
+            continue
+        queries = _blocks(0, q.weight, 0, heads, d, True)  # W_Q,h^T: (D, d) each
+        keys = _blocks(1, k.weight, 0, kv, d, True)
+        per_group = heads // kv
+        pairs = []
+        for g in range(kv):
+            mine = queries[g * per_group : (g + 1) * per_group]  # repeat_kv order: head h reads KV head h // per_group
+            lefts = mine if block else (tuple(piece for factor in mine for piece in factor),)
+            pairs.append((lefts, (keys[g],)))
+        groups.append({"params": [q.weight, k.weight], "pairs": pairs, "name": name, "kind": "attention"})
+    return groups
+
+
+def factored_groups(model, *, block: bool = False) -> list[dict]:
+    """Every trainable factored pair of a model: LoRA pairs, metric generators, per-head W_Q / W_K."""
+    groups, seen = [], set()
+    for group in lora_groups(model, block=block) + metric_groups(model, block=block) + \
+            attention_groups(model, block=block):
+        key = tuple(id(p) for p in group["params"])
+        if key not in seen:  # why: PEFT's modules_to_save wrapper forwards attributes to the copy it trains
+            seen.add(key)
+            groups.append(group)
+    return groups
+
+
+def _is_orthonormal(group: dict) -> bool:
+    return all(mf.orthonormality_error(_read(group["params"], factor)) < 1e-4
+               for lefts, rights in group["pairs"] for factor in lefts + rights)
+
+
+@torch.no_grad()
+def start_on_isometries_(model, groups: list[dict]) -> None:
+    """Make every factor orthonormal so that a partial-isometry geometry can start, where that leaves the model's
+    function unchanged: a layer's metric generators while its gates are at the graft value (the metric is not used yet).
+
+    Refused with the reason: LoRA pairs (a partial isometry has every singular value 1, so the update cannot start at
+    B A = 0 as LoRA must) and W_Q / W_K (orthonormal factors cannot represent a trained W_Q^T W_K)."""
+    for group in groups:
+        label, kind = group.get("name", "a factored group"), group.get("kind")
+        for lefts, rights in group["pairs"]:
+            for factor in lefts + rights:
+                _check_tall(_read(group["params"], factor), "a partial-isometry geometry", label)
+        if _is_orthonormal(group):
+            continue
+        if kind == "lora":
+            raise ValueError(f"{label}: a partial-isometry geometry cannot train LoRA pairs (every singular value of "
+                             "B A would be 1 from the first step, so the adapter could not start at 0): use "
+                             "riemannian-quotient or riemannian-embedded for LoRA, or an isometry geometry with "
+                             "--mode metric-only.")
+        if kind == "attention":
+            raise ValueError(f"{label}: orthonormal W_Q / W_K factors cannot represent the trained W_Q^T W_K: use "
+                             "riemannian-quotient or riemannian-embedded in --mode full.")
+        module = model.get_submodule(group["name"]) if kind == "metric" else None
+        gates = [getattr(module, n, None) for n in ("attn_gate", "ffn_gate")] if module is not None else [None]
+        if any(g is not None and torch.count_nonzero(g) > 0 for g in gates) or module is None:
+            raise ValueError(f"{label}: its metric is in use (gates off the graft value), so orthonormalising its "
+                             "generators would change the model: train it with riemannian-quotient or "
+                             "riemannian-embedded, or start from the converted (graft) model.")
+        orthonormalize_group_(group)
 
 
 def build_optimizer(model, geometry: str, *, lr: float, riemannian_lr: float | None = None, momentum: float = 0.9,
-                    weight_decay: float = 0.0, retraction: str = "qr") -> FactoredRiemannianOptimizer:
-    """One optimiser for a whole model: every LoRA pair (``lora_pairs``) on ``geometry`` at ``riemannian_lr`` (default
-    ``lr``), every other trainable parameter (the metric under ``modules_to_save``, ...) with AdamW at ``lr``."""
-    pairs = lora_pairs(model)
-    if not pairs:
-        raise ValueError(f"--optimizer {geometry} found no factored pairs to optimise: it needs LoRA (--mode lora).")
-    paired = {id(p) for pair in pairs for p in pair["params"]}
+                    weight_decay: float = 0.0, retraction: str = "qr", block: bool = False,
+                    betas=(0.9, 0.999), eps: float = 1e-8) -> FactoredRiemannianOptimizer:
+    """One optimiser for a whole model: every trainable factored pair (``factored_groups``) on ``geometry`` at
+    ``riemannian_lr`` (default ``lr``), every other trainable parameter (gates, biases, norms, ...) with AdamW at ``lr``.
+    For a partial-isometry geometry the factors are first made orthonormal (``start_on_isometries_``)."""
+    if geometry not in GEOMETRIES:
+        raise ValueError(f"optimizer {geometry!r} is not one of {OPTIMIZERS}.")
+    groups = factored_groups(model, block=block)
+    if not groups:
+        raise ValueError(f"--optimizer {geometry} found no trainable factored pairs (LoRA pairs, metric generators, or "
+                         "W_Q / W_K in --mode full).")
+    if geometry not in FIXED_RANK:
+        start_on_isometries_(model, groups)
+    paired = {id(p) for group in groups for p in group["params"]}
     rest = [p for p in model.parameters() if p.requires_grad and id(p) not in paired]
-    for pair in pairs:
-        pair["lr"] = riemannian_lr or lr
-    groups = pairs + ([{"params": rest, "geometry": "adamw", "lr": lr, "weight_decay": weight_decay}] if rest else [])
+    for group in groups:
+        group["lr"] = riemannian_lr or lr
+    groups += [{"params": rest, "geometry": "adamw", "lr": lr, "weight_decay": weight_decay, "betas": tuple(betas),
+                "eps": eps}] if rest else []
     return FactoredRiemannianOptimizer(groups, geometry=geometry, lr=lr, momentum=momentum,
                                        weight_decay=weight_decay if geometry in FIXED_RANK else 0.0,
                                        retraction=retraction)
