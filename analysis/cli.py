@@ -31,7 +31,9 @@ def _optimizers(args) -> int:
     results = run_optimizer_comparison(args.converted, args.out, optimizers=args.optimizers, grids=grids,
                                        seeds=args.seeds, mode=args.mode, block=args.block, lora_r=args.lora_r,
                                        max_steps=args.max_steps, batch_size=args.batch_size,
-                                       block_size=args.block_size, max_eval_blocks=args.eval_blocks)
+                                       block_size=args.block_size, max_eval_blocks=args.eval_blocks,
+                                       adamw_learning_rate=args.adamw_learning_rate,
+                                       max_extensions=args.max_extensions)
     print(f"{args.mode}, token budget {results['budget']['tokens']:,} per run, held-out loss before "
           f"{results['eval_loss_before']:.4f}")
     for name, row in results["summary"].items():
@@ -202,8 +204,9 @@ def add_analyze_parser(commands) -> None:
 
     optimizers = sub.add_parser(
         "optimizers", help="Riemannian optimisers vs AdamW, each at its best swept learning rate",
-        description="For each optimiser: a learning-rate sweep on the first seed (a grid, then the geometric "
-                    "midpoints around the best), the best rate re-run on every seed; held-out eval loss (mean ± std) "
+        description="For each optimiser: a learning-rate sweep on the first seed (a grid, extended while the best "
+                    "rate is at its edge, then the geometric midpoints around the best), the best rate re-run on every "
+                    "seed; held-out eval loss (mean ± std) "
                     "and seconds per step relative to AdamW. The Riemannian optimisers train the factored pairs; the "
                     "other parameters use AdamW at AdamW's best rate. A rerun continues a stopped comparison.",
     )
@@ -222,6 +225,11 @@ def add_analyze_parser(commands) -> None:
     optimizers.add_argument("--batch-size", type=int, default=4, help="blocks per step")
     optimizers.add_argument("--block-size", type=int, default=256, help="tokens per block")
     optimizers.add_argument("--eval-blocks", type=int, default=8, help="held-out blocks scored after each run")
+    optimizers.add_argument("--max-extensions", type=int, default=3,
+                            help="grid steps the sweep may add beyond the grid's edge while the best rate lies there")
+    optimizers.add_argument("--adamw-learning-rate", type=float, default=None,
+                            help="AdamW rate of the non-factored parameters when adamw is not among --optimizers "
+                                 "(default: AdamW's best rate already in OUT's results, else 3e-2)")
     optimizers.set_defaults(handler=_run(_optimizers))
 
 

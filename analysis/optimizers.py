@@ -1,6 +1,6 @@
 """Do the Riemannian geometries beat tuned AdamW? Each optimiser trains the same converted model on the same corpus with
-the same token budget; its learning rate is swept on one seed (a grid, then the two geometric midpoints around the
-best), and the best rate is re-run on further seeds.
+the same token budget; its learning rate is swept on one seed (a grid, extended by grid steps while the best rate is at
+an edge, then the geometric midpoints around the best), and the best rate is re-run on further seeds.
 
 For a Riemannian optimiser the swept rate is that of the factored pairs (``training.riemannian.factored_groups``: the
 metric generators in metric-only training, LoRA pairs in LoRA training); every other trainable parameter (gates,
@@ -52,6 +52,8 @@ def run_optimizer_comparison(
     batch_size: int = 4,
     block_size: int = 256,
     max_eval_blocks: int | None = 8,
+    adamw_learning_rate: float | None = None,
+    max_extensions: int = 3,
     progress: bool = True,
 ) -> dict:
     """Sweep, then re-seed, every optimiser; write ``optimizers.json`` after every run. Returns the results.
@@ -59,7 +61,10 @@ def run_optimizer_comparison(
     Arguments:
         converted: a converted Fiber Bundle folder (its metric at the graft value).
         optimizers: "adamw" and / or geometries of ``training.riemannian.GEOMETRIES``; AdamW runs first (its best
-            rate is the rate of the other arms' non-factored parameters). Without "adamw" those use 3e-2.
+            rate is the rate of the other arms' non-factored parameters).
+        max_extensions: how many grid steps the sweep may add beyond an edge of the grid where the best rate lies.
+        adamw_learning_rate: that rate when AdamW is not swept here (default: AdamW's best rate already in this
+            comparison's results, else 3e-2).
         grids: optimiser -> learning rates of the sweep (default ``DEFAULT_GRIDS``).
         seeds: the first seeds the sweep, the best rate runs on all of them.
         mode, block, lora_r: the task ("metric-only" or "lora") and the block variant of the geometries.
@@ -89,12 +94,12 @@ def run_optimizer_comparison(
                 "eval_blocks": len(eval_set), "seeds": list(seeds), "threads": torch.get_num_threads()}
     path = output_dir / "optimizers.json"
     results = {**settings, "eval_loss_before": before, "runs": []}
-    if path.is_file():  # continue a stopped comparison with the same settings
+    if path.is_file():  # continue a stopped comparison (or add optimisers to it) with the same settings
         import json
 
         previous = json.loads(path.read_text())
         if all(previous.get(key) == value for key, value in settings.items()):
-            results["runs"] = previous.get("runs", [])
+            results.update(runs=previous.get("runs", []), best=previous.get("best", {}))
 
     def run(name: str, lr: float, seed: int, adamw_lr: float) -> dict:
         for done in results["runs"]:
@@ -122,14 +127,20 @@ def run_optimizer_comparison(
         return record["eval_loss_after"] if record["eval_loss_after"] is not None else math.inf
 
     bar = tqdm(total=len(optimizers), desc="optimizers", disable=not progress)
-    adamw_lr = 3e-2
-    results["best"] = {}
+    results.setdefault("best", {})
+    adamw_lr = adamw_learning_rate or results["best"].get("adamw", {}).get("learning_rate", 3e-2)
     for name in optimizers:
         bar.set_postfix_str(name)
         grid = sorted(float(lr) for lr in grids[name])
         sweep = [run(name, lr, seeds[0], adamw_lr) for lr in grid]
+        step = grid[-1] / grid[-2] if len(grid) > 1 else 10.0
+        for _ in range(max_extensions):  # the best rate at an edge of what was tried: go one grid step further
+            best, tried = min(sweep, key=score)["learning_rate"], [r["learning_rate"] for r in sweep]
+            if best not in (min(tried), max(tried)) or len(tried) < 2:
+                break
+            sweep.append(run(name, best * step if best == max(tried) else best / step, seeds[0], adamw_lr))
         best = min(sweep, key=score)["learning_rate"]
-        sweep += [run(name, lr, seeds[0], adamw_lr) for lr in _midpoints(grid, best)]
+        sweep += [run(name, lr, seeds[0], adamw_lr) for lr in _midpoints([r["learning_rate"] for r in sweep], best)]
         best = min(sweep, key=score)["learning_rate"]
         tried = sorted(r["learning_rate"] for r in sweep)
         if name == "adamw":

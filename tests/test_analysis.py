@@ -294,18 +294,29 @@ def test_analyze_optimizers_sweeps_reseeds_and_continues(tiny_folders, tmp_path,
 
     args = ["analyze", "optimizers", str(tiny_folders / "converted"), "--out", str(tmp_path), "--optimizers",
             "grassmann", "adamw", "--learning-rates", "0.01", "0.1", "--seeds", "0", "1", "--max-steps", "2",
-            "--batch-size", "2", "--block-size", "32", "--eval-blocks", "4"]
+            "--batch-size", "2", "--block-size", "32", "--eval-blocks", "4", "--max-extensions", "1"]
     assert main(args) == 0
     data = json.loads((tmp_path / "optimizers.json").read_text())
-    assert [r["optimizer"] for r in data["runs"]] == ["adamw"] * 4 + ["grassmann"] * 4  # AdamW first
+    names = [r["optimizer"] for r in data["runs"]]
+    assert names == sorted(names)  # AdamW first ("adamw" < "grassmann")
+
+    def loss(run):
+        return run["eval_loss_after"]
+
     for name in ("adamw", "grassmann"):
         mine = [r for r in data["runs"] if r["optimizer"] == name]
-        sweep = mine[:3]
-        best = min(sweep, key=lambda r: r["eval_loss_after"])["learning_rate"]
-        grid_best = min(sweep[:2], key=lambda r: r["eval_loss_after"])["learning_rate"]
-        assert sweep[2]["learning_rate"] == pytest.approx(math.sqrt(0.01 * 0.1))  # the midpoint beside the grid's best
-        assert grid_best in (0.01, 0.1) and data["best"][name]["learning_rate"] == best
-        assert (mine[3]["seed"], mine[3]["learning_rate"]) == (1, best)  # the best rate re-run on the next seed
+        sweep = [r for r in mine if r["seed"] == 0]
+        rates = [r["learning_rate"] for r in sweep]
+        assert rates[:2] == [0.01, 0.1]
+        grid_best = min(sweep[:2], key=loss)["learning_rate"]  # a two-point grid: the best is at an edge
+        assert rates[2] == pytest.approx(grid_best * 10 if grid_best == 0.1 else grid_best / 10)  # one step beyond
+        best3 = min(sweep[:3], key=loss)["learning_rate"]
+        tried = sorted(rates[:3])
+        i = tried.index(best3)
+        assert rates[3:] == pytest.approx([math.sqrt(best3 * tried[j]) for j in (i - 1, i + 1) if 0 <= j < 3])
+        best = min(sweep, key=loss)["learning_rate"]
+        assert data["best"][name]["learning_rate"] == best
+        assert [(r["seed"], r["learning_rate"]) for r in mine if r["seed"] != 0] == [(1, best)]  # re-seeded
         assert all(r["eval_loss_after"] != data["eval_loss_before"] for r in mine)  # every run trained something
     adamw_best = data["best"]["adamw"]["learning_rate"]
     assert {r["adamw_learning_rate"] for r in data["runs"] if r["optimizer"] == "grassmann"} == {adamw_best}
@@ -316,9 +327,16 @@ def test_analyze_optimizers_sweeps_reseeds_and_continues(tiny_folders, tmp_path,
     def no_training(*args, **kwargs):
         raise AssertionError("a finished run was trained again")
 
-    monkeypatch.setattr("fiber_bundle.training.trainer.train_model", no_training)
-    assert main(args) == 0  # a rerun with the same settings continues: nothing left to train
+    with monkeypatch.context() as patch:
+        patch.setattr("fiber_bundle.training.trainer.train_model", no_training)
+        assert main(args) == 0  # a rerun with the same settings continues: nothing left to train
     assert json.loads((tmp_path / "optimizers.json").read_text())["runs"] == data["runs"]
+    more = args[:6] + ["stiefel-euclidean", "--learning-rates", "0.1"] + args[11:]
+    assert main(more) == 0  # another optimiser added to the same comparison, beside AdamW's best rate
+    extended = json.loads((tmp_path / "optimizers.json").read_text())
+    assert extended["runs"][: len(data["runs"])] == data["runs"]
+    assert set(extended["summary"]) == {"adamw", "grassmann", "stiefel-euclidean"}
+    assert {r["adamw_learning_rate"] for r in extended["runs"][len(data["runs"]) :]} == {adamw_best}
 
 
 def test_metric_rank_auto_records_its_reason(tiny_folders, tmp_path):
