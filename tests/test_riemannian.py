@@ -1,6 +1,7 @@
 """Riemannian optimisers for factored parameters: each gradient against its explicit formula and defining identity,
-retractions that keep their manifold, convergence of a low-rank regression for every geometry, momentum state that
-saves and restores, and clear errors."""
+retractions that keep their manifold, convergence of a low-rank regression for every geometry (also with heads sharing
+a factor: the block variants), momentum state that saves and restores, the factored pairs found in a model, and clear
+errors. Resuming through Trainer checkpoints is tested in test_training.py."""
 
 import copy
 
