@@ -4,7 +4,8 @@ an edge, then the geometric midpoints around the best), and the best rate is re-
 
 For a Riemannian optimiser the swept rate is that of the factored pairs (``training.riemannian.factored_groups``: the
 metric generators in metric-only training, LoRA pairs in LoRA training); every other trainable parameter (gates,
-biases) uses AdamW at the best AdamW rate of the same sweep, so the pairs' optimiser is the only difference between arms.
+biases) uses AdamW at the best AdamW rate of the same sweep, so the pairs' optimiser is the only difference between
+arms.
 Every run starts from the same backbone with the metric generators drawn by its seed (gates at the graft value 0).
 Results are written after every run and a rerun with the same settings continues where it stopped.
 """

@@ -360,7 +360,8 @@ def test_metric_generators_and_attention_heads_are_found_with_their_products(blo
             expected = [attn.q_proj.weight[h * d : (h + 1) * d].T @ attn.k_proj.weight[g * d : (g + 1) * d]
                         for h in range(g * heads // kv, (g + 1) * heads // kv)]  # W_Q,h^T W_K,g
             got = [row[0] for row in blocks] if block else list(blocks[0][0].split(TINY["hidden_size"]))
-            assert len(got) == len(expected) and all(torch.allclose(a, b, rtol=0, atol=1e-14) for a, b in zip(got, expected))
+            assert len(got) == len(expected)
+            assert all(torch.allclose(a, b, rtol=0, atol=1e-14) for a, b in zip(got, expected))
     for layer, group in enumerate(metric):
         fiber = model.model.layers[layer].fiber
         stacked = torch.cat([fiber.attn_factor_proj.weight, fiber.ffn_factor_proj.weight]) @ fiber.code_proj.weight

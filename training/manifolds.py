@@ -168,11 +168,12 @@ def stiefel_canonical_gradient(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor
 
 def isometry_horizontal(factors, directions):
     """Remove the vertical part of a tangent vector of a product of Stiefel manifolds for the quotient by O(r) acting
-    on every factor at once, (F_1 Q, ..., F_k Q) ~ (F_1, ..., F_k), which leaves each product F_i F_j^T (a pair's partial
-    isometry L R^T, or each block L_h R^T when heads share R) unchanged.
+    on every factor at once, (F_1 Q, ..., F_k Q) ~ (F_1, ..., F_k), which leaves each product F_i F_j^T (a pair's
+    partial isometry L R^T, or each block L_h R^T when heads share R) unchanged.
 
     The vertical space is {(F_i W)_i : W skew}; as every F_i is orthonormal, ||(F_i W)_i||^2 = k ||W||^2, so the
-    orthogonal projection subtracts F_i W with W = skew(sum_i F_i^T xi_i) / k. After it, sum_i F_i^T xi_i is symmetric."""
+    orthogonal projection subtracts F_i W with W = skew(sum_i F_i^T xi_i) / k. After it, sum_i F_i^T xi_i is
+    symmetric."""
     total = sum(f.transpose(-1, -2) @ xi for f, xi in zip(factors, directions))  # (r, r)
     omega = 0.5 * (total - total.transpose(-1, -2)) / len(factors)
     return [xi - f @ omega for f, xi in zip(factors, directions)]

@@ -18,9 +18,9 @@ block-columns X = L [R_1; ...]^T) in which heads share a factor. Geometries:
 
 Which pairs a model has (``factored_groups``): LoRA (B, A) pairs, each layer's metric generators (W_U and W_V share the
 fibre code W_z: X = [W_U; W_V] W_z), and, when the attention projections train (``full``), per-head W_Q,h^T W_K,g with
-the query heads of a KV group g sharing its key factor. Two are not exact matrix products, and that is stated rather than
-hidden: the code passes through ``metric_act`` (tanh by default) and the query / key through RoPE, so the quotient's
-GL(r) invariance holds only approximately there; the optimiser still follows the geometry of the factors themselves.
+the query heads of a KV group g sharing its key factor. Two are not exact matrix products: the code passes through
+``metric_act`` (tanh by default) and the query / key through RoPE, so the quotient's GL(r) invariance holds only
+approximately there; the optimiser still follows the geometry of the factors themselves.
 """
 
 import torch
@@ -119,7 +119,8 @@ class FactoredRiemannianOptimizer(torch.optim.Optimizer):
         if retraction not in mf.RETRACTIONS:
             raise ValueError(f"retraction {retraction!r} is not one of {sorted(mf.RETRACTIONS)}.")
         if lr <= 0 or not 0 <= momentum < 1 or weight_decay < 0:
-            raise ValueError(f"need lr > 0, 0 <= momentum < 1, weight_decay >= 0 (got {lr}, {momentum}, {weight_decay}).")
+            raise ValueError(f"need lr > 0, 0 <= momentum < 1, weight_decay >= 0 "
+                             f"(got {lr}, {momentum}, {weight_decay}).")
         defaults = dict(geometry=geometry, lr=lr, momentum=momentum, weight_decay=weight_decay, retraction=retraction,
                         damping=damping)
         groups = [_with_pairs(dict(group)) for group in groups]  # why: torch fills defaults into the group dicts
@@ -143,8 +144,8 @@ class FactoredRiemannianOptimizer(torch.optim.Optimizer):
                         raise ValueError(f"{label}: slice {piece} does not name a matrix of the group's params.")
                     ranks.add(_view(params[piece[0]], piece).shape[1])
             if len(ranks) != 1:
-                raise ValueError(f"{label}: factors must share their rank dimension (tall-form column counts {sorted(ranks)}; "
-                                 "check `transposed`).")
+                raise ValueError(f"{label}: factors must share their rank dimension (tall-form column counts "
+                                 f"{sorted(ranks)}; check `transposed`).")
             if group["geometry"] in FIXED_RANK:
                 continue
             if group["weight_decay"] > 0:
@@ -327,7 +328,8 @@ def lora_groups(model, *, block: bool = False, adapter: str = "default") -> list
 
 def metric_groups(model, *, block: bool = False) -> list[dict]:
     """Each layer's metric generators: X = [W_U; W_V] W_z (W_U, W_V stored as (out x m), W_z as (m x D), so
-    R = W_z^T). Non-block: [W_U; W_V] is one left factor; block: one factor per factor-head row block of W_U, and W_V."""
+    R = W_z^T). Non-block: [W_U; W_V] is one left factor; block: one factor per factor-head row block of W_U, and
+    W_V."""
     groups = []
     for name, module in model.named_modules():
         code = getattr(module, "code_proj", None)
@@ -427,7 +429,8 @@ def build_optimizer(model, geometry: str, *, lr: float, riemannian_lr: float | N
                     weight_decay: float = 0.0, retraction: str = "qr", block: bool = False,
                     betas=(0.9, 0.999), eps: float = 1e-8) -> FactoredRiemannianOptimizer:
     """One optimiser for a whole model: every trainable factored pair (``factored_groups``) on ``geometry`` at
-    ``riemannian_lr`` (default ``lr``), every other trainable parameter (gates, biases, norms, ...) with AdamW at ``lr``.
+    ``riemannian_lr`` (default ``lr``), every other trainable parameter (gates, biases, norms, ...) with AdamW at
+    ``lr``.
     For a partial-isometry geometry the factors are first made orthonormal (``start_on_isometries_``)."""
     if geometry not in GEOMETRIES:
         raise ValueError(f"optimizer {geometry!r} is not one of {OPTIMIZERS}.")
