@@ -55,7 +55,7 @@ def _train(args) -> int:
             block_size=args.block_size, max_steps=args.max_steps, learning_rate=args.learning_rate,
             batch_size=args.batch_size, seed=args.seed, lora_r=args.lora_r,
             metric_learning_rate=args.metric_learning_rate, optimizer=args.optimizer,
-            riemannian_learning_rate=args.riemannian_learning_rate, block=args.block,
+            riemannian_learning_rate=args.riemannian_learning_rate, block=args.block, retraction=args.retraction,
             curvature_weight=args.curvature_weight,
             torsion_weight=args.torsion_weight, report_to=args.report_to,
             **({"save_strategy": "steps", "save_steps": args.save_steps} if args.save_steps else {}),
@@ -156,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--block", action="store_true",
                        help="the block variant of the geometry: each attention head's slice of a factor is its own "
                             "factor (heads share the other one)")
+    train.add_argument("--retraction", choices=["qr", "polar"], default="qr",
+                       help="retraction of the partial-isometry optimizers (stiefel-*, grassmann): QR or polar factor")
     train.add_argument("--curvature-weight", type=float, default=None, help="weight of the curvature regulariser")
     train.add_argument("--torsion-weight", type=float, default=None, help="weight of the torsion regulariser")
     train.add_argument("--report-to", nargs="*", default=[], help="Trainer integrations to log to (e.g. tensorboard)")

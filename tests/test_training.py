@@ -358,9 +358,10 @@ def test_train_command_with_a_riemannian_optimizer(tmp_path, capsys):
     (tmp_path / "train.txt").write_text(" ".join(f"w{3 + (7 * i) % 90}" for i in range(2000)) + "\n")
     args = ["train", str(folder), str(tmp_path / "out"), "--data", str(tmp_path / "train.txt"), "--block-size", "32",
             "--batch-size", "4", "--max-steps", "4", "--learning-rate", "0.05"]
-    assert main(args + ["--optimizer", "grassmann", "--riemannian-learning-rate", "0.1"]) == 0
+    assert main(args + ["--optimizer", "grassmann", "--riemannian-learning-rate", "0.1", "--retraction", "polar"]) == 0
     metrics = json.loads((tmp_path / "out" / "training_metrics.json").read_text())
-    assert (metrics["optimizer"], metrics["riemannian_learning_rate"], metrics["block"]) == ("grassmann", 0.1, False)
+    assert [metrics[k] for k in ("optimizer", "riemannian_learning_rate", "block", "retraction")] == [
+        "grassmann", 0.1, False, "polar"]
     fiber = FiberBundleForCausalLM.from_pretrained(tmp_path / "out").model.layers[0].fiber
     start = FiberBundleForCausalLM.from_pretrained(folder).model.layers[0].fiber
     generators = torch.cat([fiber.attn_factor_proj.weight, fiber.ffn_factor_proj.weight]).double()

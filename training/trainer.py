@@ -28,6 +28,7 @@ def train_model(
     optimizer: str = "adamw",
     riemannian_learning_rate: float | None = None,
     block: bool = False,
+    retraction: str = "qr",
     probe_ids=None,
     resume_from_checkpoint: str | bool | None = None,
     quiet: bool = False,
@@ -51,6 +52,7 @@ def train_model(
         riemannian_learning_rate: learning rate of the factored pairs under a Riemannian ``optimizer`` (default:
             ``learning_rate``).
         block: the block variant of the geometry (heads' slices of a factor are separate factors sharing the other).
+        retraction: "qr" or "polar", the retraction of the partial-isometry geometries.
         probe_ids: a small fixed batch on which the geometry proxies are logged with the loss (default: the first
             training block).
         resume_from_checkpoint: True (the last checkpoint in ``output_dir``) or a checkpoint folder to resume from.
@@ -76,8 +78,9 @@ def train_model(
     if probe_ids is None and len(train_dataset):
         probe_ids = torch.tensor(train_dataset[:1]["input_ids"])
     optimizers = (None, None)
-    if optimizer == "adamw" and (block or riemannian_learning_rate is not None):
-        raise ValueError("block and riemannian_learning_rate apply to a Riemannian optimizer, not to adamw.")
+    if optimizer == "adamw" and (block or riemannian_learning_rate is not None or retraction != "qr"):
+        raise ValueError("block, riemannian_learning_rate and retraction apply to a Riemannian optimizer, not to "
+                         "adamw.")
     if optimizer != "adamw":
         if metric_learning_rate is not None:
             raise ValueError("metric_learning_rate applies to the AdamW optimiser; with a Riemannian optimizer the "
@@ -85,7 +88,7 @@ def train_model(
         from .riemannian import build_optimizer
 
         optimizers = (build_optimizer(model, optimizer, lr=learning_rate, riemannian_lr=riemannian_learning_rate,
-                                      weight_decay=args.weight_decay, block=block,
+                                      weight_decay=args.weight_decay, block=block, retraction=retraction,
                                       betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon), None)
     elif metric_learning_rate is not None:
         optimizers = (_two_rate_adamw(model, args, metric_learning_rate), None)  # the Trainer adds its scheduler
@@ -140,6 +143,7 @@ def run_training(
     optimizer: str = "adamw",
     riemannian_learning_rate: float | None = None,
     block: bool = False,
+    retraction: str = "qr",
     curvature_weight: float | None = None,
     torsion_weight: float | None = None,
     base_model_id: str | None = None,
@@ -154,7 +158,7 @@ def run_training(
         data, eval_data: local files or a Hub dataset name (``training.data.load_source``); without ``data`` the
             standard library's pydoc topics are used, split by topic into train and eval.
         mode, block_size, max_steps, learning_rate, batch_size, seed, lora_r, metric_learning_rate, optimizer,
-            riemannian_learning_rate, block: as in ``train_model``.
+            riemannian_learning_rate, block, retraction: as in ``train_model``.
         curvature_weight, torsion_weight: geometry regulariser weights (default: the model config's).
         base_model_id: in "lora" mode, the Hub id of the base (the Fiber Bundle model the adapter applies to) recorded
             in adapter_config.json; default: ``model_path``.
@@ -185,7 +189,8 @@ def run_training(
     trainer = train_model(model, train_set, output / "checkpoints", mode=mode, eval_dataset=eval_set,
                           max_steps=max_steps, learning_rate=learning_rate, batch_size=batch_size, seed=seed,
                           lora_r=lora_r, metric_learning_rate=metric_learning_rate, optimizer=optimizer,
-                          riemannian_learning_rate=riemannian_learning_rate, block=block, **training_args)
+                          riemannian_learning_rate=riemannian_learning_rate, block=block, retraction=retraction,
+                          **training_args)
     after = evaluation_loss(trainer.model, eval_set, batch_size) if eval_set is not None else None
     if mode == "lora" and base_model_id:  # an adapter published on the Hub must name its base by Hub id
         for peft_config in trainer.model.peft_config.values():
@@ -198,6 +203,6 @@ def run_training(
     result = {"mode": mode, "steps": trainer.state.global_step, "eval_loss_before": before, "eval_loss_after": after,
               "block_size": block_size, "learning_rate": learning_rate, "batch_size": batch_size, "seed": seed,
               "optimizer": optimizer, **({"riemannian_learning_rate": riemannian_learning_rate or learning_rate,
-                                          "block": block} if optimizer != "adamw" else {})}
+                                          "block": block, "retraction": retraction} if optimizer != "adamw" else {})}
     (output / "training_metrics.json").write_text(json.dumps(result, indent=2) + "\n")
     return {**result, "output": str(output)}
