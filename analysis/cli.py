@@ -40,6 +40,8 @@ def _optimizers(args) -> int:
         loss = "diverged" if row["eval_loss_after_mean"] is None else \
             f"{row['eval_loss_after_mean']:.4f} ± {row['eval_loss_after_std']:.4f}"
         edge = " (best rate at the grid's edge)" if row["at_grid_edge"] else ""
+        if row.get("loss_vs_adamw") is not None:
+            loss += f", minus AdamW {row['loss_vs_adamw']:+.4f} ± {row['loss_vs_adamw_std']:.4f} (paired by seed)"
         print(f"  {name:20s} lr {row['learning_rate']:.3g}{edge}: eval loss {loss} ({row['seeds']} seeds), "
               f"{row['seconds_per_step_mean']:.2f} s/step ({row.get('time_vs_adamw', float('nan')):.2f} x AdamW)")
     print(f"-> {Path(args.out) / 'optimizers.json'}")
@@ -125,6 +127,7 @@ def _model_arguments(parser, *, required: bool) -> None:
 def add_analyze_parser(commands) -> None:
     """Register ``analyze`` and its subcommands on the ``fiber-bundle`` parser's subparsers."""
     from fiber_bundle.training.riemannian import OPTIMIZERS
+
     analyze = commands.add_parser(
         "analyze", help="measure rank collapse, intrinsic rank and the geometry; compare with LoRA",
         description="Measurements of the open problem (rank collapse), each writing JSON figures and a PNG plot.",
@@ -206,8 +209,8 @@ def add_analyze_parser(commands) -> None:
         "optimizers", help="Riemannian optimisers vs AdamW, each at its best swept learning rate",
         description="For each optimiser: a learning-rate sweep on the first seed (a grid, extended while the best "
                     "rate is at its edge, then the geometric midpoints around the best), the best rate re-run on every "
-                    "seed; held-out eval loss (mean ± std) "
-                    "and seconds per step relative to AdamW. The Riemannian optimisers train the factored pairs; the "
+                    "seed; held-out eval loss (mean ± std, and minus AdamW's paired by seed) and seconds per step "
+                    "relative to AdamW. The Riemannian optimisers train the factored pairs; the "
                     "other parameters use AdamW at AdamW's best rate. A rerun continues a stopped comparison.",
     )
     optimizers.add_argument("converted", help="a converted Fiber Bundle folder (its metric at the graft value)")

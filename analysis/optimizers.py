@@ -10,6 +10,7 @@ Every run starts from the same backbone with the metric generators drawn by its 
 Results are written after every run and a rerun with the same settings continues where it stopped.
 """
 
+import json
 import math
 import tempfile
 import time
@@ -63,13 +64,13 @@ def run_optimizer_comparison(
         converted: a converted Fiber Bundle folder (its metric at the graft value).
         optimizers: "adamw" and / or geometries of ``training.riemannian.GEOMETRIES``; AdamW runs first (its best
             rate is the rate of the other arms' non-factored parameters).
-        max_extensions: how many grid steps the sweep may add beyond an edge of the grid where the best rate lies.
-        adamw_learning_rate: that rate when AdamW is not swept here (default: AdamW's best rate already in this
-            comparison's results, else 3e-2).
         grids: optimiser -> learning rates of the sweep (default ``DEFAULT_GRIDS``).
         seeds: the first seeds the sweep, the best rate runs on all of them.
         mode, block, lora_r: the task ("metric-only" or "lora") and the block variant of the geometries.
         max_steps, batch_size, block_size: the token budget of every run; max_eval_blocks: held-out blocks scored.
+        adamw_learning_rate: AdamW's rate when AdamW is not swept here (default: AdamW's best rate already in this
+            comparison's results, else 3e-2).
+        max_extensions: how many grid steps the sweep may add beyond an edge of the grid where the best rate lies.
     """
     from tqdm.auto import tqdm
 
@@ -96,8 +97,6 @@ def run_optimizer_comparison(
     path = output_dir / "optimizers.json"
     results = {**settings, "eval_loss_before": before, "runs": []}
     if path.is_file():  # continue a stopped comparison (or add optimisers to it) with the same settings
-        import json
-
         previous = json.loads(path.read_text())
         if all(previous.get(key) == value for key, value in settings.items()):
             results.update(runs=previous.get("runs", []), best=previous.get("best", {}))
@@ -146,7 +145,8 @@ def run_optimizer_comparison(
         tried = sorted(r["learning_rate"] for r in sweep)
         if name == "adamw":
             adamw_lr = best
-        final = [run(name, best, seed, adamw_lr) for seed in seeds]
+        for seed in seeds:
+            run(name, best, seed, adamw_lr)
         results["best"][name] = {"learning_rate": best, "at_grid_edge": best in (tried[0], tried[-1]),
                                  "swept": {r["learning_rate"]: r["eval_loss_after"] for r in sweep}}
         results["summary"] = summarise_optimizers(results)
@@ -169,8 +169,12 @@ def summarise_optimizers(results: dict) -> dict:
                          "seconds_per_step_mean": seconds["mean"]}
     if "adamw" in summary:
         reference = summary["adamw"]
-        for row in summary.values():
-            row["loss_vs_adamw"] = row["eval_loss_after_mean"] - reference["eval_loss_after_mean"] \
-                if row["eval_loss_after_mean"] is not None else None
+        adamw = {r["seed"]: r["eval_loss_after"] for r in results["runs"]
+                 if r["optimizer"] == "adamw" and r["learning_rate"] == reference["learning_rate"]}
+        for name, row in summary.items():
+            mine = [r for r in results["runs"] if r["optimizer"] == name and r["learning_rate"] == row["learning_rate"]]
+            paired = summarise([r["eval_loss_after"] - adamw[r["seed"]] for r in mine
+                                if r["eval_loss_after"] is not None and adamw.get(r["seed"]) is not None])
+            row["loss_vs_adamw"], row["loss_vs_adamw_std"] = paired["mean"], paired["std"]  # paired by seed
             row["time_vs_adamw"] = row["seconds_per_step_mean"] / reference["seconds_per_step_mean"]
     return summary

@@ -322,6 +322,13 @@ def test_analyze_optimizers_sweeps_reseeds_and_continues(tiny_folders, tmp_path,
     assert {r["adamw_learning_rate"] for r in data["runs"] if r["optimizer"] == "grassmann"} == {adamw_best}
     summary = data["summary"]
     assert summary["adamw"]["time_vs_adamw"] == 1.0 and summary["grassmann"]["seeds"] == 2
+    grassmann = [r for r in data["runs"] if r["optimizer"] == "grassmann"
+                 and r["learning_rate"] == summary["grassmann"]["learning_rate"]]
+    adamw = {r["seed"]: r["eval_loss_after"] for r in data["runs"]
+             if r["optimizer"] == "adamw" and r["learning_rate"] == adamw_best}
+    differences = [r["eval_loss_after"] - adamw[r["seed"]] for r in grassmann]
+    assert summary["grassmann"]["loss_vs_adamw"] == pytest.approx(sum(differences) / 2)  # paired by seed
+    assert summary["adamw"]["loss_vs_adamw"] == summary["adamw"]["loss_vs_adamw_std"] == 0
     assert "x AdamW" in capsys.readouterr().out
 
     def no_training(*args, **kwargs):

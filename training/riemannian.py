@@ -80,19 +80,22 @@ def _write(params, factor, value: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def orthonormalize_(tensor: torch.Tensor, transposed: bool = False) -> torch.Tensor:
+def _orthonormalize(params, factor) -> None:
     """Replace a factor in place by the Q of its QR decomposition (columns of the tall form orthonormal)."""
-    tall = tensor.transpose(0, 1) if transposed else tensor
-    tall.copy_(mf.qr_retract(tall.to(torch.float64)).to(tensor.dtype))
+    _write(params, factor, mf.qr_retract(_read(params, factor)))
+
+
+def orthonormalize_(tensor: torch.Tensor, transposed: bool = False) -> torch.Tensor:
+    """One whole tensor as a factor (its transpose if ``transposed``), made orthonormal in place."""
+    _orthonormalize([tensor], (tensor_slice(0, tensor, transposed=transposed),))
     return tensor
 
 
-@torch.no_grad()
 def orthonormalize_group_(group: dict) -> None:
-    """Every factor of every pair of a group replaced by the Q of its QR decomposition (in place)."""
+    """Every factor of every pair of a group made orthonormal in place."""
     for lefts, rights in group["pairs"]:
         for factor in lefts + rights:
-            _write(group["params"], factor, mf.qr_retract(_read(group["params"], factor)))
+            _orthonormalize(group["params"], factor)
 
 
 class FactoredRiemannianOptimizer(torch.optim.Optimizer):
@@ -333,21 +336,19 @@ def metric_groups(model, *, block: bool = False) -> list[dict]:
     groups = []
     for name, module in model.named_modules():
         code = getattr(module, "code_proj", None)
-        generators = [getattr(module, n, None) for n in ("attn_factor_proj", "ffn_factor_proj")]
-        generators = [g.weight for g in generators if g is not None and g.weight.requires_grad]
+        # (weight, heads it splits into in the block variant): W_U per factor head, W_V whole
+        generators = [(getattr(module, "attn_factor_proj", None), getattr(module, "factor_heads", 1)),
+                      (getattr(module, "ffn_factor_proj", None), 1)]
+        generators = [(g.weight, heads) for g, heads in generators if g is not None and g.weight.requires_grad]
         if code is None or not code.weight.requires_grad or not generators:
             continue
-        params = [code.weight, *generators]
+        params = [code.weight] + [weight for weight, _ in generators]
         rights = ((tensor_slice(0, code.weight, transposed=True),),)
         if block:
-            lefts = ()
-            for index, weight in enumerate(generators, start=1):
-                if getattr(module, "attn_factor_proj", None) is not None and weight is module.attn_factor_proj.weight:
-                    lefts += _blocks(index, weight, 0, module.factor_heads, module.metric_rank * module.head_dim, False)
-                else:
-                    lefts += ((tensor_slice(index, weight),),)
+            lefts = sum((_blocks(i, w, 0, heads, w.shape[0] // heads, False)
+                         for i, (w, heads) in enumerate(generators, start=1)), ())
         else:
-            lefts = (tuple(tensor_slice(i, w) for i, w in enumerate(generators, start=1)),)
+            lefts = (tuple(tensor_slice(i, w) for i, (w, _) in enumerate(generators, start=1)),)
         groups.append({"params": params, "pairs": [(lefts, rights)], "name": name, "kind": "metric"})
     return groups
 
@@ -408,21 +409,24 @@ def start_on_isometries_(model, groups: list[dict]) -> None:
                 _check_tall(_read(group["params"], factor), "a partial-isometry geometry", label)
         if _is_orthonormal(group):
             continue
-        if kind == "lora":
+        if kind == "metric":
+            module = model.get_submodule(label)
+            if any(torch.count_nonzero(getattr(module, n)) for n in ("attn_gate", "ffn_gate") if hasattr(module, n)):
+                raise ValueError(f"{label}: its metric is in use (gates off the graft value), so orthonormalising its "
+                                 "generators would change the model: train it with riemannian-quotient or "
+                                 "riemannian-embedded, or start from the converted (graft) model.")
+            orthonormalize_group_(group)
+        elif kind == "lora":
             raise ValueError(f"{label}: a partial-isometry geometry cannot train LoRA pairs (every singular value of "
                              "B A would be 1 from the first step, so the adapter could not start at 0): use "
                              "riemannian-quotient or riemannian-embedded for LoRA, or an isometry geometry with "
                              "--mode metric-only.")
-        if kind == "attention":
+        elif kind == "attention":
             raise ValueError(f"{label}: orthonormal W_Q / W_K factors cannot represent the trained W_Q^T W_K: use "
                              "riemannian-quotient or riemannian-embedded in --mode full.")
-        module = model.get_submodule(group["name"]) if kind == "metric" else None
-        gates = [getattr(module, n, None) for n in ("attn_gate", "ffn_gate")] if module is not None else [None]
-        if any(g is not None and torch.count_nonzero(g) > 0 for g in gates) or module is None:
-            raise ValueError(f"{label}: its metric is in use (gates off the graft value), so orthonormalising its "
-                             "generators would change the model: train it with riemannian-quotient or "
-                             "riemannian-embedded, or start from the converted (graft) model.")
-        orthonormalize_group_(group)
+        else:
+            raise ValueError(f"{label}: its factors are not orthonormal; orthonormalise them yourself "
+                             "(orthonormalize_group_) if that leaves your model unchanged.")
 
 
 def build_optimizer(model, geometry: str, *, lr: float, riemannian_lr: float | None = None, momentum: float = 0.9,

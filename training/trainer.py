@@ -84,7 +84,7 @@ def train_model(
     if optimizer != "adamw":
         if metric_learning_rate is not None:
             raise ValueError("metric_learning_rate applies to the AdamW optimiser; with a Riemannian optimizer the "
-                             "non-LoRA parameters use learning_rate.")
+                             "parameters outside the factored pairs use learning_rate.")
         from .riemannian import build_optimizer
 
         optimizers = (build_optimizer(model, optimizer, lr=learning_rate, riemannian_lr=riemannian_learning_rate,
