@@ -31,3 +31,6 @@ if trainer.args.process_index == 0:
     torch.save(model.state_dict(), out / "weights.pt")
     (out / "result.json").write_text(json.dumps({"world_size": world, "checksums": checksums,
                                                  "parallel_mode": str(trainer.args.parallel_mode)}))
+if dist.is_initialized():  # why: an undestroyed gloo group can abort a rank at interpreter exit (SIGABRT)
+    dist.barrier()
+    dist.destroy_process_group()
