@@ -82,7 +82,10 @@ def layer_logits(model, layer_idx: int, hidden: torch.Tensor, cos=None, sin=None
         fiber = getattr(layer, "fiber", None)
         if fiber is not None and getattr(fiber, "metric_rank", 0) > 0:
             state = fiber(normed, "attention")
-            factors = expand_factors(rotate_factors(state.attn_factors, cos, sin), heads)  # (B, H, n, r, d)
+            # the factors turn with the pure rotation (no attention_scaling), as in the model
+            positions = torch.arange(n, device=hidden.device)[None].expand(b, -1)
+            factor_cos, factor_sin = decoder(model).rotary_emb.factor_rotation(hidden, positions)
+            factors = expand_factors(rotate_factors(state.attn_factors, factor_cos, factor_sin), heads)  # (B,H,n,r,d)
             alpha, gamma = state.alpha, state.gamma
         else:  # the dot-product score: no metric (alpha = gamma = 0)
             factors = query.new_zeros(b, heads, n, 1, d)

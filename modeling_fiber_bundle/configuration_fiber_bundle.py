@@ -13,6 +13,8 @@ ATTENTION_PATHS = ("blocked", "reference")
 FACTOR_SHARING = ("head", "kv_group")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 METRIC_ACTIVATIONS = ("tanh", "silu", "gelu", "identity")
+# The RoPE types transformers supports for LLaMA, each tested against LlamaForCausalLM.
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 
 
 class FiberBundleConfig(PreTrainedConfig):
@@ -202,6 +204,12 @@ class FiberBundleConfig(PreTrainedConfig):
         for kind in self.layer_types:
             if kind not in LAYER_TYPES:
                 raise ValueError(f"FiberBundleConfig.layer_types entries must be one of {LAYER_TYPES}, got {kind!r}.")
+        rope_type = (self.rope_parameters or {}).get("rope_type", "default")
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(
+                f"FiberBundleConfig.rope_parameters['rope_type'] must be one of {ROPE_TYPES} (the types transformers "
+                f"supports for LLaMA), got {rope_type!r}."
+            )
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise ValueError(
                 "FiberBundleConfig.layer_types has 'sliding_attention' layers but sliding_window is None; "

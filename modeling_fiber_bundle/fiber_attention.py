@@ -21,18 +21,41 @@ Two attention paths compute the same function:
 This file imports only torch: it is copied into every published Hub folder.
 """
 
+from typing import NamedTuple
+
 import torch
 
 
 # --------------------------------------------------------------------------------------------------------------------
 # Metric field
 # --------------------------------------------------------------------------------------------------------------------
+# Why a floor: expm1(theta) rounds to exactly -1 in float32 at theta = -20 (in bf16 at -7), where G_i = I + alpha U U^T
+# (and the MLP's M_i) would lose positive definiteness. The floor bounds their condition number by 1e4 and leaves the
+# function unchanged for every theta > log(1e-4) = -9.2.
+GATE_FLOOR = -1.0 + 1e-4
+
+
+def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """The dtype the geometry is computed in: at least float32 (bf16 / fp16 models), float64 stays float64."""
+    out = torch.float32
+    for dtype in dtypes:
+        out = torch.promote_types(out, dtype)
+    return out
+
+
+def metric_gate(theta: torch.Tensor) -> torch.Tensor:
+    """A gate alpha = exp(theta) - 1 > -1 (alpha or beta), in at least float32 and never below ``GATE_FLOOR``."""
+    return torch.expm1(theta.to(compute_dtype(theta.dtype))).clamp_min(GATE_FLOOR)
+
+
 def bounded_factors(raw: torch.Tensor) -> torch.Tensor:
     """Map raw factors (..., r, d) to factors of spectral norm < 1: u = raw / sqrt(1 + ||raw||_F^2).
 
     Why this map: ||u||_2 <= ||u||_F < 1, so I + a u^T u is SPD for every gate a > -1; it is smooth, and close to the
-    identity for small raw factors (so gradients flow at initialisation).
+    identity for small raw factors (so gradients flow at initialisation). Computed and returned in at least float32:
+    in bf16 the rounded u reaches ||u||^2 = 1.01.
     """
+    raw = raw.to(compute_dtype(raw.dtype))
     sq_norm = raw.pow(2).sum(dim=(-2, -1), keepdim=True)  # (..., 1, 1)
     return raw * torch.rsqrt(1.0 + sq_norm)
 
@@ -52,7 +75,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 def rotate_factors(factors: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate each token's factor rows with that token's (query) rotary embedding.
 
-    factors (B, Hf, n, r, d); cos, sin (B, n, d). Why: the factors live in the token's own frame, like q_i; rotating them
+    factors (B, Hf, n, r, d); cos, sin (B, n, d), the *pure* rotation (no ``attention_scaling``: YaRN's or longrope's
+    scale would push ||U_i||_2 above 1). Why: the factors live in the token's own frame, like q_i; rotating them
     with R_i makes U_i^T R_i^T R_j k_j depend on j - i only, so scores depend on relative positions only.
     """
     cos = cos[:, None, :, None, :]  # (B, 1, n, 1, d)
@@ -90,21 +114,33 @@ def dense_metric(factors: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------------------------
 # Masks
 # --------------------------------------------------------------------------------------------------------------------
-def allowed_from_mask(attention_mask: torch.Tensor | None, q_len: int, kv_len: int) -> torch.Tensor | None:
-    """Normalise transformers' mask formats to a boolean "may attend" tensor (B or 1, 1, q, kv), or None.
+class MaskTerms(NamedTuple):
+    """A transformers attention mask, read as the backbone reads it.
 
-    sdpa masks are boolean (True = attend); eager masks are additive floats (0 or a very negative number).
-    None means what it means to SDPA: causal with upper-left alignment when q_len > 1, everything when q_len == 1.
+    allowed: bool (B|1, H|1, q, kv), True where the key may be attended; None means what it means to SDPA: causal
+        with upper-left alignment when q > 1, every key when q == 1.
+    additive: the float mask itself, (B|1, H|1, q, kv), added to the scores (any values: -1e4, -1e9, a bias for packed
+        documents), or None for a bool mask.
     """
+
+    allowed: torch.Tensor | None
+    additive: torch.Tensor | None
+
+
+def mask_terms(attention_mask: torch.Tensor | None, q_len: int, kv_len: int) -> MaskTerms:
+    """sdpa masks are boolean (True = attend); eager and user masks are additive floats. A float entry at its dtype's
+    minimum (or -inf) is what transformers writes for "blocked": it is blocked exactly, so a row of them attends to
+    nothing (see ``zero_empty_rows``); every other float value is added to the score, as the backbone adds it."""
     if attention_mask is None:
-        return None
-    if attention_mask.dtype != torch.bool:
-        attention_mask = attention_mask > torch.finfo(attention_mask.dtype).min / 2
-    return attention_mask[..., :q_len, :kv_len]
+        return MaskTerms(None, None)
+    mask = attention_mask[..., :q_len, :kv_len]
+    if mask.dtype == torch.bool:
+        return MaskTerms(mask, None)
+    return MaskTerms(mask > torch.finfo(mask.dtype).min, mask)
 
 
 def causal_allowed(q_len: int, kv_len: int, device) -> torch.Tensor | None:
-    """The boolean mask that a None mask stands for (see ``allowed_from_mask``)."""
+    """The boolean mask that a None mask stands for (see ``MaskTerms``)."""
     if q_len == 1:
         return None
     rows = torch.arange(q_len, device=device)[:, None]
@@ -112,28 +148,55 @@ def causal_allowed(q_len: int, kv_len: int, device) -> torch.Tensor | None:
     return (cols <= rows)[None, None]  # (1, 1, q, kv)
 
 
+def apply_mask(scores: torch.Tensor, mask: MaskTerms, allowed: torch.Tensor | None) -> torch.Tensor:
+    """Add a float mask to the scores and set blocked entries to the dtype's minimum (never -inf: no NaN rows).
+    ``allowed`` is the boolean mask to apply (``mask.allowed`` or its causal stand-in); returns a new tensor."""
+    if mask.additive is not None:
+        scores = (scores + mask.additive.to(scores.dtype)).clamp_min(torch.finfo(scores.dtype).min)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    return scores
+
+
 def _key_range(allowed: torch.Tensor | None, i0: int, i1: int, q_len: int, kv_len: int) -> tuple[int, int]:
     """The smallest key interval [start, end) that holds every allowed key of query rows [i0, i1).
 
-    Why: causal and sliding-window masks allow a band, so blocks skip the keys no row of theirs can see.
+    Why: causal and sliding-window masks allow a band, so blocks skip the keys no row of theirs can see. Under
+    torch.compile the whole range (a data-dependent bound would break the graph; the mask still applies).
     """
     if allowed is None:
         return 0, (kv_len if q_len == 1 else min(i1, kv_len))
+    if torch.compiler.is_compiling():
+        return 0, kv_len
     cols = allowed[..., i0:i1, :].any(dim=-2).flatten(0, -2).any(dim=0).nonzero()  # (n_allowed, 1)
-    if cols.numel() == 0:  # every row fully masked (padding): any range gives the same uniform garbage
+    if cols.numel() == 0:  # every row fully masked (padding): any range gives the same zero rows
         return 0, kv_len
     return int(cols[0]), int(cols[-1]) + 1
 
 
-def _block_allowed(allowed, i0, i1, k0, k1, q_len, device):
-    """The boolean mask of query rows [i0, i1) and keys [k0, k1), shaped to broadcast over (B, Hk, g, Bq, nk)."""
-    if allowed is not None:
-        return allowed[..., i0:i1, k0:k1]
+def _block_mask(mask: MaskTerms, i0, i1, k0, k1, q_len, device) -> MaskTerms:
+    """The mask of query rows [i0, i1) and keys [k0, k1), shaped to broadcast over (B, Hk, g, Bq, nk)."""
+    additive = None if mask.additive is None else mask.additive[..., i0:i1, k0:k1]
+    if mask.allowed is not None:
+        return MaskTerms(mask.allowed[..., i0:i1, k0:k1], additive)
     if q_len == 1:
-        return None
+        return MaskTerms(None, additive)
     rows = torch.arange(i0, i1, device=device)[:, None]
     cols = torch.arange(k0, k1, device=device)[None, :]
-    return cols <= rows  # upper-left causal, as SDPA's is_causal (Bq, nk)
+    return MaskTerms(cols <= rows, additive)  # upper-left causal, as SDPA's is_causal (Bq, nk)
+
+
+def _grouped_mask(mask: MaskTerms, hk: int, g: int) -> MaskTerms:
+    """(B|1, H|1, q, kv) -> (B|1, Hk|1, g|1, q, kv): a per-head mask applies to each query head of a KV group."""
+
+    def group(t):
+        if t is None:
+            return None
+        if t.shape[1] == 1:
+            return t.unsqueeze(2)
+        return t.reshape(t.shape[0], hk, g, *t.shape[2:])  # heads h = kv_head * g + j, as repeat_kv orders them
+
+    return MaskTerms(group(mask.allowed), group(mask.additive))
 
 
 def zero_empty_rows(probs: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
@@ -159,14 +222,17 @@ def geodesic_scores_reference(
 ) -> torch.Tensor:
     """s_ij of DESIGN 1.2, written out term by term. Materialises (B, H, q, r, kv): tests and short inputs only.
 
-    query (B, H, q, d); factors (B, H, q, r, d); key (B, H, kv, d); alpha, gamma (H,). Returns (B, H, q, kv).
+    query (B, H, q, d); factors (B, H, q, r, d); key (B, H, kv, d); alpha, gamma (H,). Returns (B, H, q, kv) in at
+    least float32.
     """
+    compute = compute_dtype(query.dtype, factors.dtype)
+    query, factors, key, alpha, gamma = (t.to(compute) for t in (query, factors, key, alpha, gamma))
     gq = metric_query(query, factors, alpha)
     linear = torch.einsum("bhid,bhjd->bhij", gq, key)  # (G_i q_i) . k_j
     coords = torch.einsum("bhird,bhjd->bhirj", factors, key)  # U_i^T k_j: (B, H, q, r, kv)
     quadratic = coords.pow(2).sum(-2)  # ||U_i^T k_j||^2: (B, H, q, kv)
-    a = alpha.view(1, -1, 1, 1).to(query.dtype)
-    g = gamma.view(1, -1, 1, 1).to(query.dtype)
+    a = alpha.view(1, -1, 1, 1)
+    g = gamma.view(1, -1, 1, 1)
     return scale * (linear - 0.5 * g * key.pow(2).sum(-1)[:, :, None, :] - 0.5 * a * quadratic)
 
 
@@ -175,13 +241,10 @@ def reference_geodesic_attention(
 ):
     """Softmax over geodesic scores, values aggregated unchanged. Returns output (B, H, q, d) and probabilities."""
     q_len, kv_len = query.shape[2], key.shape[2]
-    compute = torch.promote_types(query.dtype, torch.float32)  # softmax in fp32 at least, fp64 stays fp64
-    scores = geodesic_scores_reference(query, factors, key, alpha, gamma, scale).to(compute)
-    allowed = allowed_from_mask(attention_mask, q_len, kv_len)
-    if allowed is None:
-        allowed = causal_allowed(q_len, kv_len, query.device)
-    if allowed is not None:
-        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    scores = geodesic_scores_reference(query, factors, key, alpha, gamma, scale)
+    mask = mask_terms(attention_mask, q_len, kv_len)
+    allowed = mask.allowed if mask.allowed is not None else causal_allowed(q_len, kv_len, query.device)
+    scores = apply_mask(scores, mask, allowed)
     probs = zero_empty_rows(torch.softmax(scores, dim=-1), allowed).to(query.dtype)
     probs = torch.nn.functional.dropout(probs, p=dropout, training=training)
     return torch.matmul(probs, value), probs
@@ -190,6 +253,31 @@ def reference_geodesic_attention(
 # --------------------------------------------------------------------------------------------------------------------
 # Blocked path (default)
 # --------------------------------------------------------------------------------------------------------------------
+class Dropout(NamedTuple):
+    """Attention dropout of the blocked path: the probability and the seed its keep-masks are drawn from."""
+
+    p: float
+    seed: int
+
+
+def draw_dropout(p: float) -> Dropout | None:
+    """A ``Dropout`` with a seed from torch's default generator (so ``torch.manual_seed`` reproduces it), or None."""
+    if p <= 0:
+        return None
+    return Dropout(float(p), int(torch.randint(0, 2**62, (), dtype=torch.int64)))
+
+
+def _dropout_keep(dropout: Dropout, i0: int, shape, k0: int, k1: int, device) -> torch.Tensor:
+    """Which probabilities of the query block starting at row i0 survive, for keys [k0, k1): (B, Hk, g, Bq, nk) bool.
+
+    Why a generator seeded by (seed, i0), drawn over all keys: the backward and ``blocked_attention_probs`` redraw
+    the very same mask for the block, so nothing of size n x n is stored.
+    """
+    gen = torch.Generator(device=device)
+    gen.manual_seed(dropout.seed + i0)
+    return torch.rand(shape, generator=gen, device=device)[..., k0:k1] >= dropout.p
+
+
 def _block_products(gq_blk, factors_blk, key_blk):
     """One matmul of a query block's stacked pseudo-queries with a key slice, grouped by KV head.
 
@@ -202,11 +290,12 @@ def _block_products(gq_blk, factors_blk, key_blk):
     return rows, torch.matmul(rows, key_blk.transpose(-1, -2))
 
 
-def _block_logits(prods, shape, bias_blk, half_alpha, allowed_blk):
+def _block_logits(prods, shape, bias_blk, half_alpha, mask_blk: MaskTerms):
     """Combine the products into scores (G_i q_i).k_j + bias_j - (alpha/2) ||U_i^T k_j||^2 and mask them.
 
     The softmax scale is already folded into the inputs (see ``_kernel_operands``).
-    prods (B, Hk, g*Bq + gf*Bq*r, nk); shape = (g, gf, Bq, r); bias_blk (B, Hk, g, nk); half_alpha (1, Hk, g, 1, 1).
+    prods (B, Hk, g*Bq + gf*Bq*r, nk); shape = (g, gf, Bq, r); bias_blk (B, Hk, g, nk); half_alpha (1, Hk, g, 1, 1);
+    mask_blk from ``_block_mask`` (its float part already in the compute dtype).
     Returns logits (B, Hk, g, Bq, nk), coords U_i^T k_j (B, Hk, gf, Bq, r, nk) and their squared norms (.., gf, Bq, nk).
     """
     g, gf, bq, r = shape
@@ -215,33 +304,38 @@ def _block_logits(prods, shape, bias_blk, half_alpha, allowed_blk):
     coords = prods[:, :, g * bq :].view(b, hk, gf, bq, r, nk)  # U_i^T k_j
     quadratic = coords.square().sum(-2)  # (B, Hk, gf, Bq, nk), broadcast over the g heads of a shared group
     logits = torch.add(linear, bias_blk[:, :, :, None, :]).addcmul_(half_alpha, quadratic, value=-1.0)
-    if allowed_blk is not None:
-        logits.masked_fill_(~allowed_blk, torch.finfo(logits.dtype).min)
+    if mask_blk.additive is not None:  # a float mask is added, whatever its values; clamp: never -inf, no NaN rows
+        logits.add_(mask_blk.additive).clamp_min_(torch.finfo(logits.dtype).min)
+    if mask_blk.allowed is not None:
+        logits.masked_fill_(~mask_blk.allowed, torch.finfo(logits.dtype).min)
     return logits, coords, quadratic
 
 
-def _blocked_forward(gq, factors, half_alpha, bias, key, value, allowed, block_size):
-    """Forward of the blocked kernel (shapes as in ``_BlockedGeodesicAttention``): output (compute dtype) and the
-    per-row log-sum-exp that the backward needs to recompute the probabilities."""
+def _blocked_forward(gq, factors, half_alpha, bias, key, value, mask: MaskTerms, block_size, dropout=None):
+    """Forward of the blocked kernel (shapes as in ``_BlockedGeodesicAttention``; gq, factors, half_alpha, bias in
+    the compute dtype): output (compute dtype) and the per-row log-sum-exp the backward needs to recompute the
+    probabilities."""
     b, hk, g, q_len, d = gq.shape
     gf, r = factors.shape[2], factors.shape[4]
     kv_len = key.shape[2]
-    compute = torch.promote_types(gq.dtype, torch.float32)  # why: low-precision inputs combine in fp32
-    gq_c, factors_c, key_c, value_c = (t.to(compute) for t in (gq, factors, key, value))
-    bias_c, ha = bias.to(compute), half_alpha.to(compute).view(1, hk, g, 1, 1)
-    out = gq_c.new_empty((b, hk, g, q_len, d))
-    lse = gq_c.new_empty((b, hk, g, q_len))
+    key_c, value_c = key.to(gq.dtype), value.to(gq.dtype)  # why: low-precision inputs combine in fp32
+    ha = half_alpha.view(1, hk, g, 1, 1)
+    out = gq.new_empty((b, hk, g, q_len, d))
+    lse = gq.new_empty((b, hk, g, q_len))
     for i0 in range(0, q_len, block_size):
         i1 = min(i0 + block_size, q_len)
-        k0, k1 = _key_range(allowed, i0, i1, q_len, kv_len)
-        allowed_blk = _block_allowed(allowed, i0, i1, k0, k1, q_len, gq.device)
-        _, prods = _block_products(gq_c[:, :, :, i0:i1], factors_c[:, :, :, i0:i1], key_c[:, :, k0:k1])
-        logits, _, _ = _block_logits(prods, (g, gf, i1 - i0, r), bias_c[..., k0:k1], ha, allowed_blk)
+        k0, k1 = _key_range(mask.allowed, i0, i1, q_len, kv_len)
+        mask_blk = _block_mask(mask, i0, i1, k0, k1, q_len, gq.device)
+        _, prods = _block_products(gq[:, :, :, i0:i1], factors[:, :, :, i0:i1], key_c[:, :, k0:k1])
+        logits, _, _ = _block_logits(prods, (g, gf, i1 - i0, r), bias[..., k0:k1], ha, mask_blk)
         # softmax in place, keeping its log-normaliser for the backward
         row_max = logits.amax(dim=-1, keepdim=True)
         probs = logits.sub_(row_max).exp_()
         row_sum = probs.sum(dim=-1, keepdim=True)
-        probs = zero_empty_rows(probs.div_(row_sum), allowed_blk)
+        probs = zero_empty_rows(probs.div_(row_sum), mask_blk.allowed)
+        if dropout is not None:
+            keep = _dropout_keep(dropout, i0, (b, hk, g, i1 - i0, kv_len), k0, k1, gq.device)
+            probs = probs.mul_(keep).div_(1.0 - dropout.p)
         # (B, Hk, g*Bq, nk) @ (B, Hk, nk, d) -> (B, Hk, g*Bq, d)
         blk = torch.matmul(probs.view(b, hk, g * (i1 - i0), -1), value_c[:, :, k0:k1])
         out[:, :, :, i0:i1] = blk.view(b, hk, g, i1 - i0, d)
@@ -262,48 +356,57 @@ class _BlockedGeodesicAttention(torch.autograd.Function):
     """Memory-bounded geodesic attention with a recomputing backward (flash-attention style, on plain matmuls).
 
     Grouped by KV head so keys are never repeated: query (B, Hk, g, q, d); factors (B, Hk, gf, q, r, d), gf in {1, g};
-    alpha (Hk, g); bias (B, Hk, g, kv) with the softmax scale folded in; key, value (B, Hk, kv, d); allowed
-    (B|1, 1, 1, q, kv) bool or None. Saves only these inputs, the output and the log-sum-exp: G_i q_i is rebuilt in
-    the backward, so training keeps no extra (n x d) tensor per head.
+    alpha (Hk, g); bias (B, Hk, g, kv) with the softmax scale folded in (all four in the compute dtype); key, value
+    (B, Hk, kv, d); the mask's parts (B|1, Hk|1, g|1, q, kv) (bool, and float in the compute dtype) or None; dropout a
+    ``Dropout`` or None. Saves only these inputs, the output and the log-sum-exp: G_i q_i is rebuilt in the backward,
+    so training keeps no extra (n x d) tensor per head; the dropout masks are redrawn from their seed.
     """
 
     @staticmethod
-    def forward(ctx, query, factors, alpha, bias, key, value, allowed, scale, block_size):
+    def forward(ctx, query, factors, alpha, bias, key, value, allowed, additive, scale, block_size, dropout):
         gq, factors_s, half_alpha, _ = _kernel_operands(query, factors, alpha, scale)
-        out, lse = _blocked_forward(gq, factors_s, half_alpha, bias, key, value, allowed, block_size)
-        ctx.save_for_backward(query, factors, alpha, bias, key, value, allowed, out, lse)
-        ctx.scale, ctx.block_size = scale, block_size
-        return out.to(query.dtype)
+        mask = MaskTerms(allowed, additive)
+        out, lse = _blocked_forward(gq, factors_s, half_alpha, bias, key, value, mask, block_size, dropout)
+        ctx.save_for_backward(query, factors, alpha, bias, key, value, allowed, additive, out, lse)
+        ctx.scale, ctx.block_size, ctx.dropout = scale, block_size, dropout
+        return out.to(value.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, factors_in, alpha, bias, key, value, allowed, out, lse = ctx.saved_tensors
-        scale, block_size = ctx.scale, ctx.block_size
+        query, factors_in, alpha, bias, key, value, allowed, additive, out, lse = ctx.saved_tensors
+        scale, block_size, dropout = ctx.scale, ctx.block_size, ctx.dropout
+        mask = MaskTerms(allowed, additive)
         gq, factors, half_alpha, lifted = _kernel_operands(query, factors_in, alpha, scale)
         b, hk, g, q_len, d = gq.shape
         gf, r = factors.shape[2], factors.shape[4]
         kv_len = key.shape[2]
         compute = out.dtype
-        gq_c, factors_c, key_c, value_c = (t.to(compute) for t in (gq, factors, key, value))
-        bias_c, ha = bias.to(compute), half_alpha.to(compute).view(1, hk, g, 1, 1)
+        key_c, value_c = key.to(compute), value.to(compute)
+        ha = half_alpha.view(1, hk, g, 1, 1)
         grad_out = grad_out.to(compute)
-        d_gq, d_factors = torch.empty_like(gq_c), torch.empty_like(factors_c)
-        d_half_alpha, d_bias = out.new_zeros((hk, g)), torch.zeros_like(bias_c)
+        d_gq, d_factors = torch.empty_like(gq), torch.empty_like(factors)
+        d_half_alpha, d_bias = out.new_zeros((hk, g)), torch.zeros_like(bias)
         d_key, d_value = torch.zeros_like(key_c), torch.zeros_like(value_c)
-        # D_i = sum_j P_ij dP_ij = dO_i . O_i (softmax backward without storing P)
+        # D_i = sum_j P_ij dP_ij = dO_i . O_i (softmax backward without storing P; holds with dropout too)
         delta = (grad_out * out).sum(-1, keepdim=True)  # (B, Hk, g, q, 1)
         for i0 in range(0, q_len, block_size):
             i1 = min(i0 + block_size, q_len)
             bq = i1 - i0
             k0, k1 = _key_range(allowed, i0, i1, q_len, kv_len)
-            allowed_blk = _block_allowed(allowed, i0, i1, k0, k1, q_len, gq.device)
+            mask_blk = _block_mask(mask, i0, i1, k0, k1, q_len, gq.device)
             k_blk, v_blk = key_c[:, :, k0:k1], value_c[:, :, k0:k1]
-            rows, prods = _block_products(gq_c[:, :, :, i0:i1], factors_c[:, :, :, i0:i1], k_blk)
-            logits, coords, quadratic = _block_logits(prods, (g, gf, bq, r), bias_c[..., k0:k1], ha, allowed_blk)
-            probs = zero_empty_rows(logits.sub_(lse[:, :, :, i0:i1, None]).exp_(), allowed_blk)  # (B, Hk, g, Bq, nk)
+            rows, prods = _block_products(gq[:, :, :, i0:i1], factors[:, :, :, i0:i1], k_blk)
+            logits, coords, quadratic = _block_logits(prods, (g, gf, bq, r), bias[..., k0:k1], ha, mask_blk)
+            probs = zero_empty_rows(logits.sub_(lse[:, :, :, i0:i1, None]).exp_(), mask_blk.allowed)  # (B,Hk,g,Bq,nk)
+            dropped, keep = probs, None
+            if dropout is not None:
+                keep = _dropout_keep(dropout, i0, (b, hk, g, bq, kv_len), k0, k1, gq.device)
+                dropped = probs * keep / (1.0 - dropout.p)
             go = grad_out[:, :, :, i0:i1].reshape(b, hk, g * bq, d)
-            d_value[:, :, k0:k1] += torch.matmul(probs.view(b, hk, g * bq, -1).transpose(-1, -2), go)
+            d_value[:, :, k0:k1] += torch.matmul(dropped.view(b, hk, g * bq, -1).transpose(-1, -2), go)
             d_probs = torch.matmul(go, v_blk.transpose(-1, -2)).view(b, hk, g, bq, -1)
+            if keep is not None:
+                d_probs = d_probs.mul_(keep).div_(1.0 - dropout.p)
             d_logits = d_probs.sub_(delta[:, :, :, i0:i1]).mul_(probs)  # softmax backward: (B, Hk, g, Bq, nk)
             d_bias[..., k0:k1] += d_logits.sum(-2)
             d_half_alpha -= (d_logits * quadratic).sum(dim=(0, 3, 4))
@@ -320,32 +423,21 @@ class _BlockedGeodesicAttention(torch.autograd.Function):
             d_key[:, :, k0:k1] += torch.matmul(d_prods.transpose(-1, -2), rows)
         # chain rule through the operands: gq = scale (q + alpha U U^T q), factors = sqrt(scale) U, half_alpha = alpha/2
         d_gq = d_gq * scale  # d/d(G_i q_i)
-        a = alpha.to(compute).view(1, hk, g, 1, 1)
-        q_c, u_c = query.to(compute), factors_in.to(compute)
-        coords = torch.matmul(u_c, q_c.unsqueeze(-1))  # U^T q: (B, Hk, g, q, r, 1)
-        d_coords = torch.matmul(u_c, d_gq.unsqueeze(-1))  # U^T dgq: (B, Hk, g, q, r, 1)
-        d_query = d_gq + a * torch.matmul(d_coords.transpose(-1, -2), u_c).squeeze(-2)  # G is symmetric
+        a = alpha.view(1, hk, g, 1, 1)
+        coords = torch.matmul(factors_in, query.unsqueeze(-1))  # U^T q: (B, Hk, g, q, r, 1)
+        d_coords = torch.matmul(factors_in, d_gq.unsqueeze(-1))  # U^T dgq: (B, Hk, g, q, r, 1)
+        d_query = d_gq + a * torch.matmul(d_coords.transpose(-1, -2), factors_in).squeeze(-2)  # G is symmetric
         # d/dU of alpha U U^T q: alpha (U^T q) dgq^T + alpha (U^T dgq) q^T, summed over the heads sharing U
-        d_lift = a.unsqueeze(-1) * (coords * d_gq.unsqueeze(-2) + d_coords * q_c.unsqueeze(-2))
+        d_lift = a.unsqueeze(-1) * (coords * d_gq.unsqueeze(-2) + d_coords * query.unsqueeze(-2))
         if gf == 1:
             d_lift = d_lift.sum(2, keepdim=True)
         d_factors = d_factors * scale**0.5 + d_lift
-        d_alpha = 0.5 * d_half_alpha + (d_gq * lifted.to(compute)).sum(dim=(0, 3, 4))
-        return (
-            d_query.to(query.dtype),
-            d_factors.to(factors_in.dtype),
-            d_alpha.to(alpha.dtype),
-            d_bias.to(bias.dtype),
-            d_key.to(key.dtype),
-            d_value.to(value.dtype),
-            None,
-            None,
-            None,
-        )
+        d_alpha = 0.5 * d_half_alpha + (d_gq * lifted).sum(dim=(0, 3, 4))
+        return d_query, d_factors, d_alpha, d_bias, d_key.to(key.dtype), d_value.to(value.dtype), *(None,) * 5
 
 
 def prepare_geodesic_inputs(query, factors, key, alpha, gamma, scale):
-    """The O(n d r) inputs of the blocked kernel, grouped by KV head.
+    """The O(n d r) inputs of the blocked kernel, grouped by KV head, in the compute dtype (at least float32).
 
     query (B, H, q, d) after RoPE; factors (B, Hf, q, r, d) after RoPE, Hf = H (per head) or Hk (shared by each KV
     group); key (B, Hk, kv, d); alpha, gamma (H,). Returns query (B, Hk, g, q, d), factors (B, Hk, gf, q, r, d),
@@ -354,46 +446,53 @@ def prepare_geodesic_inputs(query, factors, key, alpha, gamma, scale):
     b, h, q_len, d = query.shape
     hk = key.shape[1]
     g, gf = h // hk, factors.shape[1] // hk
-    grouped_q = query.view(b, hk, g, q_len, d)  # heads h = kv_head * g + j, as repeat_kv orders them
-    grouped_f = factors.view(b, hk, gf, q_len, factors.shape[-2], d)
+    compute = compute_dtype(query.dtype, factors.dtype)
+    grouped_q = query.to(compute).view(b, hk, g, q_len, d)  # heads h = kv_head * g + j, as repeat_kv orders them
+    grouped_f = factors.to(compute).view(b, hk, gf, q_len, factors.shape[-2], d)
     # -(gamma/2)||k_j||^2 per query head: (B, Hk, 1, kv) * (Hk, g) -> (B, Hk, g, kv)
-    bias = (-0.5 * scale) * key.pow(2).sum(-1)[:, :, None, :] * gamma.view(1, hk, g, 1).to(key.dtype)
-    return grouped_q, grouped_f, alpha.view(hk, g).to(query.dtype), bias
+    bias = (-0.5 * scale) * key.to(compute).pow(2).sum(-1)[:, :, None, :] * gamma.to(compute).view(1, hk, g, 1)
+    return grouped_q, grouped_f, alpha.to(compute).view(hk, g), bias
 
 
-def blocked_geodesic_kernel(prepared, key, value, scale, attention_mask=None, block_size=64) -> torch.Tensor:
+def _kernel_mask(attention_mask, q_len, kv_len, hk, g, compute) -> MaskTerms:
+    """The mask grouped by KV head, its float part in the compute dtype."""
+    mask = _grouped_mask(mask_terms(attention_mask, q_len, kv_len), hk, g)
+    return mask if mask.additive is None else mask._replace(additive=mask.additive.to(compute))
+
+
+def blocked_geodesic_kernel(
+    prepared, key, value, scale, attention_mask=None, block_size=64, dropout: Dropout | None = None
+) -> torch.Tensor:
     """Geodesic attention from ``prepare_geodesic_inputs``'s output; key, value (B, Hk, kv, d) (not repeated).
-    Returns the attention output (B, H, q, d)."""
+    Returns the attention output (B, H, q, d) in value's dtype."""
     query, factors, alpha, bias = prepared
     b, hk, g, q_len, d = query.shape
-    allowed = allowed_from_mask(attention_mask, q_len, key.shape[2])
-    if allowed is not None:
-        allowed = allowed.unsqueeze(2)  # (B|1, 1, 1, q, kv): broadcast over (Hk, g)
+    mask = _kernel_mask(attention_mask, q_len, key.shape[2], hk, g, query.dtype)
     inputs = (query, factors, alpha, bias, key, value)
     if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
-        out = _BlockedGeodesicAttention.apply(*inputs, allowed, scale, block_size)
+        out = _BlockedGeodesicAttention.apply(*inputs, *mask, scale, block_size, dropout)
     else:  # inference (generation): no autograd bookkeeping, no saved tensors
         gq, factors_s, half_alpha, _ = _kernel_operands(query, factors, alpha, scale)
-        if q_len == 1 and query.dtype in (torch.float32, torch.float64):
-            out = _decode_step(gq, factors_s, half_alpha, bias, key, value, allowed)
+        if q_len == 1 and dropout is None:
+            out = _decode_step(gq, factors_s, half_alpha, bias, key, value, mask)
         else:
-            out = _blocked_forward(gq, factors_s, half_alpha, bias, key, value, allowed, block_size)[0]
-    return out.to(query.dtype).view(b, hk * g, q_len, d)
+            out = _blocked_forward(gq, factors_s, half_alpha, bias, key, value, mask, block_size, dropout)[0]
+    return out.to(value.dtype).view(b, hk * g, q_len, d)
 
 
-def _decode_step(gq, factors, half_alpha, bias, key, value, allowed):
+def _decode_step(gq, factors, half_alpha, bias, key, value, mask: MaskTerms):
     """One new token against the cache: the blocked forward's math for a single row, without the loop, the key-range
     search and the log-sum-exp (nothing is saved for a backward). Why: decoding is bound by the number of ops."""
     b, hk, g, _, d = gq.shape
-    _, prods = _block_products(gq, factors, key)
+    _, prods = _block_products(gq, factors, key.to(gq.dtype))
     logits, _, _ = _block_logits(prods, (g, factors.shape[2], 1, factors.shape[4]), bias,
-                                 half_alpha.view(1, hk, g, 1, 1), allowed)
-    probs = zero_empty_rows(torch.softmax(logits, dim=-1), allowed)  # (B, Hk, g, 1, kv)
-    return torch.matmul(probs.view(b, hk, g, -1), value).view(b, hk, g, 1, d)
+                                 half_alpha.view(1, hk, g, 1, 1), mask)
+    probs = zero_empty_rows(torch.softmax(logits, dim=-1), mask.allowed)  # (B, Hk, g, 1, kv)
+    return torch.matmul(probs.view(b, hk, g, -1), value.to(gq.dtype)).view(b, hk, g, 1, d)
 
 
 def blocked_geodesic_attention(
-    query, factors, key, value, alpha, gamma, scale, attention_mask=None, block_size=64
+    query, factors, key, value, alpha, gamma, scale, attention_mask=None, block_size=64, dropout=None
 ) -> torch.Tensor:
     """The default path: same function as ``reference_geodesic_attention``, extra memory O(n * block).
 
@@ -401,25 +500,34 @@ def blocked_geodesic_attention(
     group); key, value (B, Hk, kv, d) (not repeated); alpha, gamma (H,). Returns the attention output (B, H, q, d).
     """
     prepared = prepare_geodesic_inputs(query, factors, key, alpha, gamma, scale)
-    return blocked_geodesic_kernel(prepared, key, value, scale, attention_mask, block_size)
+    return blocked_geodesic_kernel(prepared, key, value, scale, attention_mask, block_size, dropout)
 
 
-def blocked_attention_probs(query, factors, key, alpha, gamma, scale, attention_mask=None, block_size=64):
-    """Attention probabilities (B, H, q, kv), computed block by block (for ``output_attentions``; no gradient)."""
-    with torch.no_grad():
-        blocks = []
-        for i0 in range(0, query.shape[2], block_size):
-            i1 = min(i0 + block_size, query.shape[2])
-            mask = None if attention_mask is None else attention_mask[..., i0:i1, :]
-            if attention_mask is None and query.shape[2] > 1:
-                mask = causal_allowed(query.shape[2], key.shape[2], query.device)[..., i0:i1, :]
-            scores = geodesic_scores_reference(query[:, :, i0:i1], factors[:, :, i0:i1], key, alpha, gamma, scale)
-            allowed = allowed_from_mask(mask, i1 - i0, key.shape[2])
-            if allowed is not None:
-                scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
-            compute = torch.promote_types(scores.dtype, torch.float32)
-            blocks.append(zero_empty_rows(torch.softmax(scores.to(compute), dim=-1), allowed).to(query.dtype))
-        return torch.cat(blocks, dim=2)
+def blocked_attention_probs(
+    query, factors, key, alpha, gamma, scale, attention_mask=None, block_size=64, dropout=None
+) -> torch.Tensor:
+    """The attention probabilities (B, H, q, kv) of ``blocked_geodesic_kernel`` (for ``output_attentions``), built
+    from the kernel's own block functions over every key, after dropout (the same keep-masks), differentiable.
+    Arguments as ``blocked_geodesic_attention``'s. Materialises q x kv per head, as LLaMA's eager attention does."""
+    grouped_q, grouped_f, grouped_alpha, bias = prepare_geodesic_inputs(query, factors, key, alpha, gamma, scale)
+    gq, factors_s, half_alpha, _ = _kernel_operands(grouped_q, grouped_f, grouped_alpha, scale)
+    b, hk, g, q_len, _ = gq.shape
+    kv_len = key.shape[2]
+    mask = _kernel_mask(attention_mask, q_len, kv_len, hk, g, gq.dtype)
+    key_c = key.to(gq.dtype)
+    blocks = []
+    for i0 in range(0, q_len, block_size):
+        i1 = min(i0 + block_size, q_len)
+        mask_blk = _block_mask(mask, i0, i1, 0, kv_len, q_len, gq.device)
+        _, prods = _block_products(gq[:, :, :, i0:i1], factors_s[:, :, :, i0:i1], key_c)
+        shape = (g, factors_s.shape[2], i1 - i0, factors_s.shape[4])
+        logits, _, _ = _block_logits(prods, shape, bias, half_alpha.view(1, hk, g, 1, 1), mask_blk)
+        probs = zero_empty_rows(torch.softmax(logits, dim=-1), mask_blk.allowed)  # (B, Hk, g, Bq, kv)
+        if dropout is not None:
+            keep = _dropout_keep(dropout, i0, probs.shape, 0, kv_len, gq.device)
+            probs = probs * keep / (1.0 - dropout.p)
+        blocks.append(probs)
+    return torch.cat(blocks, dim=3).view(b, hk * g, q_len, kv_len).to(query.dtype)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -430,7 +538,9 @@ def woodbury_precondition(update: torch.Tensor, factors: torch.Tensor, beta: tor
 
     update y (..., D); factors (..., r, D) row-wise (V^T); beta scalar tensor. O(D r^2 + r^3) per token, never D x D.
     """
-    compute = torch.promote_types(update.dtype, torch.float32)  # why: linalg.solve has no half-precision kernels
+    # why at least float32: linalg.solve has no half-precision kernels, and in float32 the system stays SPD only
+    # because beta >= GATE_FLOOR (beta = -1 exactly would make it singular)
+    compute = compute_dtype(update.dtype, factors.dtype)
     y, v = update.to(compute), factors.to(compute)
     beta = beta.to(compute)
     # why elementwise products for V^T y and V s: per token they are (r x D) matrix-vector products, which batched
@@ -462,8 +572,8 @@ def curvature_proxy(factors: torch.Tensor, alpha: torch.Tensor, token_mask: torc
     diff = a.pow(2) * (sq(metric_gram(nxt)) + sq(gram_cur) - 2 * sq(cross))
     norm = d + 2 * a * gram_cur.diagonal(dim1=-2, dim2=-1).sum(-1) + a.pow(2) * sq(gram_cur)
     ratio = diff.clamp_min(0) / norm  # (B, H, n-1)
-    if token_mask is None:
-        return ratio.mean()
+    if token_mask is None:  # why not mean(): a one-token input (a decode step) has no pair, and its mean is NaN
+        return ratio.sum() / max(ratio.numel(), 1)
     pair = (token_mask[:, 1:] & token_mask[:, :-1])[:, None, :].to(ratio.dtype)  # (B, 1, n-1)
     return (ratio * pair).sum() / (pair.sum() * ratio.shape[1]).clamp_min(1)
 

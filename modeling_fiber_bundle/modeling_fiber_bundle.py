@@ -29,20 +29,23 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
 
-from .configuration_fiber_bundle import FiberBundleConfig
+from .configuration_fiber_bundle import ROPE_TYPES, FiberBundleConfig
 from .fiber_attention import (
-    allowed_from_mask,
     anisotropy,
     apply_rotary,
     blocked_attention_probs,
     blocked_geodesic_kernel,
     bounded_factors,
+    compute_dtype,
     curvature_proxy,
+    draw_dropout,
+    mask_terms,
+    metric_gate,
     prepare_geodesic_inputs,
     reference_geodesic_attention,
     rotate_factors,
@@ -57,8 +60,6 @@ AUTO_MAP = {
     "AutoModel": "modeling_fiber_bundle.FiberBundleModel",
     "AutoModelForCausalLM": "modeling_fiber_bundle.FiberBundleForCausalLM",
 }
-# RoPE types whose frequencies are fixed at construction (dynamic types would need per-call updates).
-STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def _pop_deprecated_cache(cache, kwargs):
@@ -98,15 +99,17 @@ class FiberBundleRMSNorm(nn.Module):
 
 
 class FiberBundleRotaryEmbedding(nn.Module):
-    # Adapted from transformers 5.24 models/llama/modeling_llama.py (LlamaRotaryEmbedding), static RoPE types only
+    # Adapted from transformers 5.24 models/llama/modeling_llama.py (LlamaRotaryEmbedding), plus ``factor_rotation``
     def __init__(self, config: FiberBundleConfig):
         super().__init__()
+        self.max_seq_len_cached = config.max_position_embeddings  # read and updated by dynamic_rope_update
+        self.original_max_seq_len = config.max_position_embeddings
         self.config = config
         self.rope_type = config.rope_parameters.get("rope_type", "default")
-        if self.rope_type not in STATIC_ROPE_TYPES:
+        if self.rope_type not in ROPE_TYPES:
             raise ValueError(
                 f"rope_parameters['rope_type']={self.rope_type!r} is not supported by Fiber Bundle models; "
-                f"supported: {STATIC_ROPE_TYPES}."
+                f"supported: {ROPE_TYPES}."
             )
         rope_init_fn: Callable = self.compute_default_rope_parameters
         if self.rope_type != "default":
@@ -122,12 +125,22 @@ class FiberBundleRotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         return inv_freq, 1.0
 
+    @dynamic_rope_update  # dynamic and longrope types update inv_freq (and attention_scaling) from the positions
     def forward(self, x, position_ids):
         freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos() * self.attention_scaling
         sin = emb.sin() * self.attention_scaling
         return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
+
+    def factor_rotation(self, x, position_ids):
+        """cos, sin (B, n, d) of the pure rotation, in at least float32, for the metric factors. Call after ``forward``
+        (which updates a dynamic type's frequencies). Why not forward's: its ``attention_scaling`` (YaRN, longrope)
+        would scale the factors past spectral norm 1, and in bf16 its rounded cos/sin are no rotation."""
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        dtype = compute_dtype(x.dtype)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 class FiberBundleMLP(nn.Module):
@@ -161,7 +174,7 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling, 
         # why the clamp: the mask's dtype minimum plus a negative score overflows to -inf (NaN rows in float64)
         attn_weights = (attn_weights + attention_mask).clamp_min(torch.finfo(attn_weights.dtype).min)
     attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.promote_types(query.dtype, torch.float32))
-    allowed = allowed_from_mask(attention_mask, query.shape[2], key.shape[2])
+    allowed = mask_terms(attention_mask, query.shape[2], key.shape[2]).allowed
     attn_weights = zero_empty_rows(attn_weights, allowed).to(query.dtype)  # padding rows attend to nothing
     attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
     attn_output = torch.matmul(attn_weights, value_states)
@@ -175,11 +188,12 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling, 
 class FiberState(NamedTuple):
     """What the fibre module hands to attention and MLP for one layer (factors row-wise, in the token's own frame)."""
 
+    # factors and gates in at least float32 (DESIGN 1.1: SPD in every dtype the model runs in)
     attn_factors: torch.Tensor | None  # (B, Hf, n, r, d), spectral norm < 1
-    alpha: torch.Tensor | None  # (H,)  alpha = exp(theta) - 1
+    alpha: torch.Tensor | None  # (H,)  alpha = exp(theta) - 1 >= GATE_FLOOR > -1
     gamma: torch.Tensor | None  # (H,)
     ffn_factors: torch.Tensor | None  # (B, n, r_f, D), spectral norm < 1
-    beta: torch.Tensor | None  # ()    beta = exp(phi) - 1
+    beta: torch.Tensor | None  # ()    beta = exp(phi) - 1 >= GATE_FLOOR > -1
 
 
 class FiberBundleMetric(nn.Module):
@@ -220,12 +234,12 @@ class FiberBundleMetric(nn.Module):
         if self.metric_rank > 0 and part != "ffn":
             raw = self.attn_factor_proj(code).view(b, n, self.factor_heads, self.metric_rank, self.head_dim)
             attn_factors = bounded_factors(raw.transpose(1, 2))  # (B, Hf, n, r, d)
-            alpha = torch.expm1(self.attn_gate)
+            alpha = metric_gate(self.attn_gate)
             gamma = self.flatness_gate
         if self.ffn_metric_rank > 0 and part != "attention":
             raw = self.ffn_factor_proj(code).view(b, n, self.ffn_metric_rank, self.hidden_size)
             ffn_factors = bounded_factors(raw)  # (B, n, r_f, D)
-            beta = torch.expm1(self.ffn_gate)
+            beta = metric_gate(self.ffn_gate)
         return FiberState(attn_factors, alpha, gamma, ffn_factors, beta)
 
 
@@ -273,6 +287,7 @@ class FiberBundleAttention(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
+        factor_rotation: tuple[torch.Tensor, torch.Tensor] | None = None,
         fiber: "FiberBundleMetric | None" = None,
         fiber_state: FiberState | None = None,
         output_attentions: bool = False,
@@ -282,7 +297,9 @@ class FiberBundleAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None, dict | None]:
         """``hidden_states`` is the layer's normalised input, from which ``fiber`` (the layer's metric module, None for
         the backbone's attention) generates each token's metric; ``fiber_state`` is that metric when the layer has
-        already computed it (it is recomputed here when the backward is to recompute it)."""
+        already computed it (it is recomputed here when the backward is to recompute it). ``position_embeddings`` turn
+        q and k as the backbone does; ``factor_rotation`` (the pure rotation, ``FiberBundleRotaryEmbedding.
+        factor_rotation``) turns the metric factors."""
         geodesic = fiber is not None and self.config.metric_rank > 0
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
@@ -329,23 +346,26 @@ class FiberBundleAttention(nn.Module):
                 **kwargs,
             )
         else:
+            if factor_rotation is None:
+                raise ValueError("FiberBundleAttention needs factor_rotation (FiberBundleRotaryEmbedding.factor_rotation)"
+                                 " to turn the metric factors; FiberBundleModel passes it to every layer.")
             attn_output, attn_weights = self._geodesic_attention(
-                hidden_states, query_states, key_states, value_states, attention_mask, fiber, fiber_state, cos, sin,
-                dropout, output_attentions,
+                hidden_states, query_states, key_states, value_states, attention_mask, fiber, fiber_state,
+                factor_rotation, dropout, output_attentions,
             )
             attn_output = attn_output.transpose(1, 2)  # (B, n, H, d)
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         return self.o_proj(attn_output), (attn_weights if output_attentions else None), geometry
 
-    def _geodesic_attention(self, normed, query, key, value, attention_mask, fiber, fiber_state, cos, sin, dropout,
+    def _geodesic_attention(self, normed, query, key, value, attention_mask, fiber, fiber_state, rotation, dropout,
                             output_attentions):
         block = self.config.attention_block_size
 
-        def metric(normed):  # this layer's factors, turned with the query's rotary embedding (relative positions only)
+        def metric(normed):  # this layer's factors, turned with the query's pure rotation (relative positions only)
             state = fiber_state if fiber_state is not None else fiber(normed, "attention")
-            return state, rotate_factors(state.attn_factors, cos, sin)  # (B, Hf, n, r, d)
+            return state, rotate_factors(state.attn_factors, *rotation)  # (B, Hf, n, r, d)
 
-        if self.config.fiber_attention_path == "reference" or dropout > 0:  # attention dropout needs the probabilities
+        if self.config.fiber_attention_path == "reference":
             state, factors = metric(normed)
             return reference_geodesic_attention(
                 query, expand_factors(factors, self.num_heads), repeat_kv(key, self.num_key_value_groups),
@@ -358,16 +378,16 @@ class FiberBundleAttention(nn.Module):
             # shared KV-group factors stay unexpanded: U_i^T k_j is then computed once per group
             return prepare_geodesic_inputs(query, factors, key, state.alpha, state.gamma, self.scaling)
 
-        prepared = _maybe_recompute(self.config, prepare, normed, query, key)
-        out = blocked_geodesic_kernel(prepared, key, value, self.scaling, attention_mask, block)
-        probs = None
-        if output_attentions:
+        drop = draw_dropout(dropout)
+        if output_attentions:  # the probabilities are asked for: materialise them (as eager attention does) and
+            # compute the output from them, so that they carry the gradient of everything downstream
             state, factors = metric(normed)
             probs = blocked_attention_probs(
-                query, expand_factors(factors, self.num_heads), repeat_kv(key, self.num_key_value_groups),
-                state.alpha, state.gamma, self.scaling, attention_mask, block,
+                query, factors, key, state.alpha, state.gamma, self.scaling, attention_mask, block, drop
             )
-        return out, probs
+            return torch.matmul(probs, repeat_kv(value, self.num_key_value_groups)), probs
+        prepared = _maybe_recompute(self.config, prepare, normed, query, key)
+        return blocked_geodesic_kernel(prepared, key, value, self.scaling, attention_mask, block, drop), None
 
 
 def _recomputes(config) -> bool:
@@ -387,7 +407,7 @@ def layer_geometry(factors, keys, alpha, block_size, token_mask=None) -> dict[st
     """The connection observables of DESIGN 1.4 for one layer (scalars)."""
     return {
         "curvature": curvature_proxy(factors, alpha, token_mask),
-        "torsion": torsion_proxy(factors, keys, alpha, block_size, token_mask),
+        "torsion": torsion_proxy(factors, keys.to(factors.dtype), alpha, block_size, token_mask),
         "anisotropy": anisotropy(factors, alpha, token_mask),
     }
 
@@ -413,6 +433,7 @@ class FiberBundleDecoderLayer(GradientCheckpointingLayer):
         cache: Cache | None = None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        factor_rotation: tuple[torch.Tensor, torch.Tensor] | None = None,
         output_attentions: bool = False,
         output_geometry: bool = False,
         token_mask: torch.Tensor | None = None,
@@ -430,6 +451,7 @@ class FiberBundleDecoderLayer(GradientCheckpointingLayer):
             position_ids=position_ids,
             cache=cache,
             use_cache=use_cache,
+            factor_rotation=factor_rotation,
             fiber=fiber,
             fiber_state=fiber_state,
             output_attentions=output_attentions,
@@ -480,7 +502,7 @@ class FiberBundlePreTrainedModel(PreTrainedModel):
     _supports_flash_attn = False
     _supports_flex_attn = False
     _supports_attention_backend = False
-    _can_compile_fullgraph = False
+    _can_compile_fullgraph = True  # static cache + torch.compile(fullgraph=True): tested, no graph break
     _can_record_outputs = None
 
     def save_pretrained(self, save_directory, *args, **kwargs):
@@ -510,6 +532,11 @@ class FiberBundlePreTrainedModel(PreTrainedModel):
     def geometry_parameters(self) -> list[nn.Parameter]:
         """The parameters of every layer's ``fiber`` module (metric generators and gates)."""
         return [p for name, p in self.named_parameters() if ".fiber." in f".{name}"]
+
+
+def _returns_dict(return_dict, config) -> bool:
+    """``return_dict`` as transformers reads it: the argument, else ``config.return_dict`` (True by default)."""
+    return return_dict if return_dict is not None else bool(getattr(config, "return_dict", True))
 
 
 def _as_flags(kwargs, config):
@@ -545,8 +572,9 @@ class FiberBundleModel(FiberBundlePreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         output_geometry: bool | None = None,
+        return_dict: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> FiberBundleModelOutputWithPast:
+    ) -> FiberBundleModelOutputWithPast | tuple:
         cache = _pop_deprecated_cache(cache, kwargs)
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
@@ -582,6 +610,7 @@ class FiberBundleModel(FiberBundlePreTrainedModel):
 
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+        factor_rotation = self.rotary_emb.factor_rotation(hidden_states, position_ids)
         all_hidden_states = (hidden_states,) if output_hidden_states else None
         all_attentions = () if output_attentions else None
         geometry = {key: [] for key in GEOMETRY_KEYS} if output_geometry else None
@@ -590,6 +619,7 @@ class FiberBundleModel(FiberBundlePreTrainedModel):
                 hidden_states,
                 attention_mask=mask_mapping[self.config.layer_types[decoder_layer.self_attn.layer_idx]],
                 position_embeddings=position_embeddings,
+                factor_rotation=factor_rotation,
                 position_ids=position_ids,
                 cache=cache,
                 use_cache=use_cache,
@@ -611,13 +641,14 @@ class FiberBundleModel(FiberBundlePreTrainedModel):
             all_hidden_states = all_hidden_states[:-1] + (hidden_states,)
         if geometry is not None:
             geometry = {k: torch.stack(v) for k, v in geometry.items()} if geometry["curvature"] else None
-        return FiberBundleModelOutputWithPast(
+        output = FiberBundleModelOutputWithPast(
             last_hidden_state=hidden_states,
             cache=cache if use_cache else None,
             hidden_states=all_hidden_states,
             attentions=all_attentions,
             geometry=geometry,
         )
+        return output if _returns_dict(return_dict, self.config) else output.to_tuple()
 
 
 class FiberBundleForCausalLM(FiberBundlePreTrainedModel, GenerationMixin):
@@ -670,6 +701,7 @@ class FiberBundleForCausalLM(FiberBundlePreTrainedModel, GenerationMixin):
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_geometry=bool(output_geometry) or regularise,
+            return_dict=True,
             **kwargs,
         )
         hidden_states = outputs.last_hidden_state
@@ -691,7 +723,7 @@ class FiberBundleForCausalLM(FiberBundlePreTrainedModel, GenerationMixin):
             attentions=outputs.attentions,
             geometry=outputs.geometry if output_geometry else None,
         )
-        return output if return_dict is not False else output.to_tuple()
+        return output if _returns_dict(return_dict, self.config) else output.to_tuple()
 
 
 # save_pretrained copies this file and its relative imports and writes auto_map, also after a trust_remote_code load

@@ -3,6 +3,7 @@ against the models' own attention, and each ``fiber-bundle analyze`` subcommand 
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,7 +11,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import TINY, random_ids, set_gates, tiny_model
 from fiber_bundle.analysis import measures, probes
-from fiber_bundle.analysis.stacks import StackSpec, collapse_experiment, stack_residuals
+from fiber_bundle.analysis.stacks import StackSpec, attention_layer, collapse_experiment, stack_residuals
+from modeling_fiber_bundle.fiber_attention import bounded_factors
 
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 
@@ -103,9 +105,10 @@ def test_pure_attention_stacks_collapse_and_skip_connections_prevent_it():
         assert curve[-1] < 1e-10  # Dong et al.: pure attention collapses (doubly exponentially)
     with_skip = stack_residuals(StackSpec(depth=10, tokens=16, width=32, heads=2, skip=True), "euclidean", seed=0)
     assert with_skip[-1] > 1e-2
-    # the riemannian kind at alpha = 0 is the euclidean distance kind, draw for draw
-    assert stack_residuals(StackSpec(depth=4, alpha=0.0), "riemannian", 3) == \
-        stack_residuals(StackSpec(depth=4), "euclidean-distance", 3)
+    # the metric gate acts: alpha > 0 moves the curve before it collapses to round-off
+    flat, curved = (stack_residuals(StackSpec(depth=4, tokens=8, width=16, heads=2, alpha=a), "riemannian", 3)
+                    for a in (0.0, 5.0))
+    assert max(abs(f - c) for f, c in zip(flat, curved)) > 1e-2
     result = collapse_experiment(StackSpec(depth=6, tokens=8, width=16, heads=2), range(3),
                                  {"e": ("euclidean", 0.0), "r": ("riemannian", 5.0)})
     assert result["variants"]["e"]["seeds_reaching_threshold"] == 3
@@ -114,6 +117,35 @@ def test_pure_attention_stacks_collapse_and_skip_connections_prevent_it():
         StackSpec(alpha=-1.0)
     with pytest.raises(ValueError, match="unknown kind"):
         stack_residuals(spec, "hyperbolic", 0)
+
+
+def dense_geodesic_layer(x, w, spec, metric_of="query"):
+    """The riemannian layer written densely: softmax_j of -(scale/2) (q_i - k_j)^T G (q_i - k_j), G = I + alpha U U^T
+    of the query token i (or, to show the test can tell them apart, of the key token j), U from the fibre code."""
+    n, h, r = x.shape[0], spec.heads, spec.metric_rank
+    d = x.shape[1] // h
+    q, k, v = ((x @ w[name]).view(n, h, d).transpose(0, 1) for name in "qkv")  # (H, n, d)
+    code = torch.tanh(x * x.pow(2).mean(-1, keepdim=True).rsqrt() @ w["z"])
+    u = bounded_factors((code @ w["u"]).view(n, h, r, d)).transpose(0, 1)  # U^T per token: (H, n, r, d)
+    metric = torch.eye(d, dtype=x.dtype) + spec.alpha * u.transpose(-2, -1) @ u  # (H, n, d, d)
+    diff = q[:, :, None] - k[:, None, :]  # q_i - k_j: (H, n, n, d)
+    dist = torch.einsum("hijd,hide,hije->hij" if metric_of == "query" else "hijd,hjde,hije->hij", diff, metric, diff)
+    return (torch.softmax(-0.5 * d**-0.5 * dist, dim=-1) @ v).transpose(0, 1).reshape(n, -1) @ w["o"]
+
+
+def test_riemannian_stack_layer_is_the_geodesic_score_in_the_query_metric():
+    """One riemannian layer equals softmax of the dense squared distance in the query token's own metric (DESIGN 1.2:
+    the per-row constant the closed form drops is removed by softmax, so the outputs agree), not the key's."""
+    spec = StackSpec(width=16, heads=2, tokens=8, code_width=8, metric_rank=2, alpha=5.0)
+    gen = torch.Generator().manual_seed(0)
+    draw = lambda fan_in, *shape: torch.randn(*shape, generator=gen, dtype=torch.float64) / fan_in**0.5  # noqa: E731
+    w = {name: draw(16, 16, 16) for name in "qkvo"} | {"z": draw(16, 16, 8), "u": draw(8, 8, 2 * 2 * 8)}
+    x = torch.randn(8, 16, generator=gen, dtype=torch.float64)
+    layer = attention_layer(x, w, spec, "riemannian")
+    assert torch.allclose(layer, dense_geodesic_layer(x, w, spec), rtol=0, atol=1e-10)
+    # here the metric matters, and so does whose it is: both alternatives move the output by far more than rounding
+    for other in (dense_geodesic_layer(x, w, replace(spec, alpha=0.0)), dense_geodesic_layer(x, w, spec, "key")):
+        assert (layer - other).abs().max() > 1e-2
 
 
 # ----------------------------------------------------------------------------------------------------------------------

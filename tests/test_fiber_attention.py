@@ -8,13 +8,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from modeling_fiber_bundle.fiber_attention import (
+    GATE_FLOOR,
+    Dropout,
     anisotropy,
     blocked_attention_probs,
     blocked_geodesic_attention,
     bounded_factors,
     curvature_proxy,
+    rotate_factors,
     dense_metric,
     geodesic_scores_reference,
+    metric_gate,
+    metric_gram,
     metric_query,
     reference_geodesic_attention,
     torsion_proxy,
@@ -64,17 +69,34 @@ def repeat(x, g):
 # ---------------------------------------------------------------------------------------------------------------------
 # 1.1 the metric field
 # ---------------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("raw_scale", [1e-3, 1.0, 1e3, 1e6])
-def test_metric_is_spd_for_every_input(raw_scale):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, F64])
+@pytest.mark.parametrize("raw_scale", [1e-3, 1.0, 1e2, 1e4])
+def test_metric_is_spd_for_every_input_in_every_dtype(dtype, raw_scale):
+    """G = I + alpha U U^T and the MLP's I + beta V^T V stay SPD from the values the model computes with, in every
+    dtype: factors and gates come out in at least float32, alpha never reaches -1, a rotation keeps ||U||_2 < 1.
+    (The model-level test with YaRN's scaled rotary embedding is in test_modeling.py.)"""
     gen = torch.Generator().manual_seed(3)
-    raw = raw_scale * torch.randn(4, 6, 9, 3, 8, generator=gen, dtype=F64)
+    raw = (raw_scale * torch.randn(4, 8, 9, 3, 8, generator=gen, dtype=F64)).to(dtype)  # (B, H, n, r, d)
     factors = bounded_factors(raw)
-    assert torch.linalg.matrix_norm(factors, ord=2).max() < 1.0  # ||U||_2 < 1
-    # gates from exp(theta) - 1 over a wide theta range, down to alpha -> -1
-    theta = torch.tensor([-30.0, -5.0, -0.5, 0.0, 0.5, 3.0], dtype=F64)
-    g = dense_metric(factors, torch.expm1(theta))
-    assert torch.allclose(g, g.transpose(-1, -2))
-    assert torch.linalg.eigvalsh(g).min() > 0
+    assert factors.dtype == torch.promote_types(dtype, torch.float32)
+    angle = 100.0 * torch.rand(4, 9, 4, generator=gen)  # a rotation of each token's factors, as RoPE's
+    cos, sin = torch.cat([angle.cos()] * 2, -1).to(factors.dtype), torch.cat([angle.sin()] * 2, -1).to(factors.dtype)
+    factors = rotate_factors(factors, cos, sin)
+    sigma_sq = torch.linalg.eigvalsh(metric_gram(factors.double())).amax(-1)  # ||U_i||_2^2 per token, in float64
+    assert sigma_sq.max() < 1.0 + 1e-6
+    # gates from exp(theta) - 1 over a wide theta range, down to where expm1 rounds to -1 in float32 and bf16
+    theta = torch.tensor([-30.0, -20.0, -7.0, -5.0, -0.5, 0.0, 0.5, 3.0], dtype=dtype)
+    alpha = metric_gate(theta)
+    assert alpha.dtype == factors.dtype and (alpha >= GATE_FLOOR).all() and (alpha > -1).all()
+    smallest = 1.0 + alpha.double().view(1, -1, 1) * sigma_sq  # G's smallest eigenvalue where alpha < 0, per head
+    assert smallest.min() > 1e-5
+    if dtype == F64:
+        g = dense_metric(factors, torch.expm1(theta))
+        assert torch.allclose(g, g.transpose(-1, -2)) and torch.linalg.eigvalsh(g).min() > 0
+    # the MLP step's r x r Woodbury system at beta = expm1(-20): solvable, finite, in every dtype
+    update = torch.randn(4, 8, 9, 8, generator=gen, dtype=F64).to(dtype)
+    out = woodbury_precondition(update, factors, metric_gate(torch.tensor(-20.0, dtype=dtype)))
+    assert out.dtype == dtype and torch.isfinite(out).all()
 
 
 def test_metric_query_is_dense_metric_times_query():
@@ -136,8 +158,28 @@ def padding_bool_mask(b, q, kv, pad, window=None):
     return allowed[None, None] & keep[:, None, None, :]
 
 
+def additive_mask(b, q, kv, h=1, seed=0):
+    """A float mask as people build them for packed documents or biases: arbitrary values, -1e4 and -1e9 "soft"
+    blocks, the dtype's minimum where transformers blocks, and one row of -inf (a query with nothing to attend to)."""
+    gen = torch.Generator().manual_seed(seed)
+    mask = 2.0 * torch.randn(b, h, q, kv, generator=gen, dtype=F64)
+    mask[..., 1::3] = -1e4
+    mask[..., 2::5] = -1e9
+    mask = mask.masked_fill(~padding_bool_mask(b, q, kv, pad=[2, 0]), torch.finfo(F64).min)
+    mask[0, :, -1] = float("-inf")
+    return mask
+
+
+def per_head_bool_mask(b, q, kv, h=4):
+    """(B, H, q, kv): each query head its own sliding window (so a KV group's heads see different keys)."""
+    return torch.cat([padding_bool_mask(b, q, kv, pad=[0, 3], window=2 + 2 * i) for i in range(h)], dim=1)
+
+
 MASK_CASES = {
     "causal-none": lambda b, q, kv: None,
+    "float-additive": lambda b, q, kv: additive_mask(b, q, kv),
+    "float-additive-per-head": lambda b, q, kv: additive_mask(b, q, kv, h=4),
+    "bool-per-head": lambda b, q, kv: per_head_bool_mask(b, q, kv),
     "bool-padding": lambda b, q, kv: padding_bool_mask(b, q, kv, pad=[0, 4]),
     "float-padding": lambda b, q, kv: torch.zeros(b, 1, q, kv, dtype=F64).masked_fill(
         ~padding_bool_mask(b, q, kv, pad=[3, 0]), torch.finfo(F64).min
@@ -176,6 +218,26 @@ def test_blocked_equals_reference_forward_and_backward(mask_name, block, hk, sha
         torch.testing.assert_close(gb, gr, rtol=1e-10, atol=1e-11, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("path", ["blocked", "reference"])
+@pytest.mark.parametrize("heads", [1, 4])
+def test_a_float_mask_is_added_to_the_scores(path, heads):
+    """Any float mask is added, as the backbone adds it (no reinterpretation of -1e4 or -1e9 as "blocked"); the
+    dtype's minimum and -inf block; a row with no key to attend to gives 0, not NaN."""
+    b, h, hk, n = 2, 4, 2, 9
+    query, factors, key, value, alpha, gamma = make_inputs(b=b, h=h, hk=hk, q=n, kv=n)
+    mask = additive_mask(b, n, n, h=heads)
+    if path == "blocked":
+        out = blocked_geodesic_attention(query, factors, key, value, alpha, gamma, 0.4, mask, block_size=4)
+    else:
+        out, _ = reference_geodesic_attention(query, factors, repeat(key, 2), repeat(value, 2), alpha, gamma, 0.4, mask)
+    scores = geodesic_scores_reference(query, factors, repeat(key, 2), alpha, gamma, 0.4) + mask
+    expected = torch.softmax(scores, dim=-1) @ repeat(value, 2)  # what an eager backbone computes
+    # rows with no key above the minimum (padding, the -inf row) attend to nothing, where eager is uniform or NaN
+    empty = (mask <= torch.finfo(F64).min).all(-1).expand(b, h, n)
+    assert torch.isnan(expected[0, :, -1]).all() and (out[empty] == 0).all() and empty.sum() == 3 * h
+    torch.testing.assert_close(out[~empty], expected[~empty], rtol=1e-11, atol=1e-12)
+
+
 def test_blocked_decode_step_with_longer_cache():
     """q_len = 1 against kv_len = 9 (generation with a cache): the query sees every cached key."""
     query, factors, key, value, alpha, gamma = make_inputs(q=1, kv=9, hk=2)
@@ -184,20 +246,63 @@ def test_blocked_decode_step_with_longer_cache():
     torch.testing.assert_close(out_b, out_r, rtol=1e-12, atol=1e-12)
 
 
-def test_blocked_probs_equal_reference_probs():
-    query, factors, key, value, alpha, gamma = make_inputs(hk=4, q=10, kv=10)
-    mask = padding_bool_mask(2, 10, 10, pad=[0, 3])
-    _, p_ref = reference_geodesic_attention(query, factors, key, value, alpha, gamma, 0.3, mask)
+@pytest.mark.parametrize("mask_name", ["bool-padding", "float-additive-per-head"])
+def test_blocked_probs_are_the_kernels_probabilities(mask_name):
+    """output_attentions of the blocked path: the probabilities whose product with the values *is* the blocked
+    kernel's output, equal to the reference path's, with a gradient (as LLaMA's eager attention returns them)."""
+    query, factors, key, value, alpha, gamma = make_inputs(hk=2, q=10, kv=10, requires_grad=True, hf=2)
+    mask = MASK_CASES[mask_name](2, 10, 10)
     p_blk = blocked_attention_probs(query, factors, key, alpha, gamma, 0.3, mask, block_size=3)
+    out = blocked_geodesic_attention(query, factors, key, value, alpha, gamma, 0.3, mask, block_size=3)
+    torch.testing.assert_close(p_blk @ repeat(value, 2), out, rtol=1e-12, atol=1e-12)
+    _, p_ref = reference_geodesic_attention(query, repeat(factors, 2), repeat(key, 2), repeat(value, 2), alpha, gamma,
+                                            0.3, mask)
     torch.testing.assert_close(p_blk, p_ref, rtol=1e-12, atol=1e-12)
     row_sums = p_blk.sum(-1)  # 1 on rows with a key to attend to, 0 on fully masked padding rows
-    torch.testing.assert_close(row_sums, mask.any(-1).expand_as(row_sums).to(F64))
+    torch.testing.assert_close(row_sums, valid_rows(mask, 2, 4, 10, 10).squeeze(-1))
+    grads = torch.autograd.grad(p_blk[..., 1:4].sum(), [query, factors, key, alpha, gamma])
+    grads_ref = torch.autograd.grad(p_ref[..., 1:4].sum(), [query, factors, key, alpha, gamma])
+    for g_blk, g_ref in zip(grads, grads_ref):
+        torch.testing.assert_close(g_blk, g_ref, rtol=1e-10, atol=1e-11)
+
+
+def test_blocked_dropout_draws_the_same_masks_in_forward_backward_and_probabilities():
+    """Attention dropout in the blocked kernel: each block's keep-mask is redrawn from its seed in the backward and
+    for output_attentions, so out = dropped probabilities @ V and the custom backward equals autograd through them."""
+    b, h, hk, n = 2, 4, 2, 23
+    inputs = make_inputs(b=b, h=h, hk=hk, q=n, kv=n, requires_grad=True)
+    query, factors, key, value, alpha, gamma = inputs
+    mask = padding_bool_mask(b, n, n, pad=[0, 5])
+    drop = Dropout(0.3, seed=1234)
+    out = blocked_geodesic_attention(query, factors, key, value, alpha, gamma, 0.35, mask, block_size=4, dropout=drop)
+    probs = blocked_attention_probs(query, factors, key, alpha, gamma, 0.35, mask, block_size=4, dropout=drop)
+    expected = probs @ repeat(value, 2)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    _, clean = reference_geodesic_attention(query, factors, repeat(key, 2), repeat(value, 2), alpha, gamma, 0.35, mask)
+    allowed = clean > 0
+    dropped = (probs[allowed] == 0).double().mean()
+    assert 0.25 < dropped < 0.35  # a fraction p of the probabilities dropped...
+    kept = probs[allowed] != 0
+    torch.testing.assert_close(probs[allowed][kept], clean[allowed][kept] / 0.7)  # ...the others scaled by 1/(1-p)
+    weight = torch.randn_like(out)
+    grads = torch.autograd.grad((out * weight).sum(), inputs)
+    grads_ref = torch.autograd.grad((expected * weight).sum(), inputs)
+    for name, g_blk, g_ref in zip(["query", "factors", "key", "value", "alpha", "gamma"], grads, grads_ref):
+        torch.testing.assert_close(g_blk, g_ref, rtol=1e-10, atol=1e-11, msg=lambda m: f"{name}: {m}")
+    other = blocked_geodesic_attention(query, factors, key, value, alpha, gamma, 0.35, mask, block_size=4,
+                                       dropout=Dropout(0.3, seed=99))
+    assert (other - out).abs().max() > 1e-3  # another seed, other masks
 
 
 @pytest.mark.parametrize("hf", [1, 2])
-def test_blocked_gradcheck(hf):
+@pytest.mark.parametrize("dropout", [None, Dropout(0.4, seed=5)])
+def test_blocked_gradcheck(hf, dropout):
     inputs = make_inputs(b=1, h=2, hk=1, q=5, kv=5, d=4, r=2, requires_grad=True, hf=hf)
-    fn = lambda q, f, k, v, a, g: blocked_geodesic_attention(q, f, k, v, a, g, 0.5, None, block_size=2)  # noqa: E731
+    mask = additive_mask(2, 5, 5, h=2)[:1] if dropout is not None else None  # per head, additive, one empty row
+
+    def fn(q, f, k, v, a, g):
+        return blocked_geodesic_attention(q, f, k, v, a, g, 0.5, mask, block_size=2, dropout=dropout)
+
     assert torch.autograd.gradcheck(fn, inputs)
 
 
@@ -213,12 +318,15 @@ def test_blocked_fp32_matches_fp64_and_bf16_is_finite():
 # ---------------------------------------------------------------------------------------------------------------------
 # cost and memory contracts
 # ---------------------------------------------------------------------------------------------------------------------
-def test_blocked_path_never_materialises_n_by_n_by_r():
-    """Extra memory O(n * block): no tensor of n x n per head (let alone n x n x r), forward and backward."""
+@pytest.mark.parametrize("dropout", [None, Dropout(0.1, seed=3)])
+def test_blocked_path_never_materialises_n_by_n_by_r(dropout):
+    """Extra memory O(n * block): no tensor of n x n per head (let alone n x n x r), forward and backward, with
+    attention dropout too."""
     b, h, hk, n, d, r, block = 1, 4, 2, 256, 16, 4, 32
     query, factors, key, value, alpha, gamma = make_inputs(b=b, h=h, hk=hk, q=n, kv=n, d=d, r=r, requires_grad=True)
     with LargestTensor() as blocked:
-        out = blocked_geodesic_attention(query, factors, key, value, alpha, gamma, 0.25, None, block_size=block)
+        out = blocked_geodesic_attention(query, factors, key, value, alpha, gamma, 0.25, None, block_size=block,
+                                         dropout=dropout)
         out.sum().backward()
     assert blocked.max_numel <= b * h * block * (r + 1) * n  # one query block's stacked products
     assert blocked.max_numel < b * h * n * n

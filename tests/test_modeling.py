@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import (
     AutoModel,
+    CompileConfig,
     AutoModelForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
@@ -20,6 +21,7 @@ from transformers import (
 from conftest import TINY, geometry_step_change, random_ids, set_gates, tiny_config, tiny_model
 from modeling_fiber_bundle import FiberBundleConfig, FiberBundleForCausalLM, FiberBundleModel
 from modeling_fiber_bundle import modeling_fiber_bundle as modeling
+from modeling_fiber_bundle.fiber_attention import metric_gram
 
 F64 = torch.float64
 BACKBONE_KEYS = {k: v for k, v in TINY.items() if k not in ("pad_token_id",)}
@@ -221,6 +223,59 @@ def test_output_attentions_are_the_attention_probabilities(name):
         row_sums = probs.sum(-1)  # 1 on real tokens; padding rows attend to nothing
         torch.testing.assert_close(row_sums, mask[:, None, :].expand_as(row_sums).to(row_sums.dtype))
         assert probs.triu(1).abs().max() == 0  # causal
+    with torch.no_grad():  # asking for the probabilities does not change the function (blocked: kernel vs probs @ V)
+        plain = model(ids, attention_mask=mask).logits
+    torch.testing.assert_close(out.logits[mask.bool()], plain[mask.bool()], rtol=1e-11, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["blocked-sdpa-mask", "reference"])
+def test_output_attentions_carry_the_gradient_in_training(name):
+    """transformers' retain-grad test: the returned probabilities are on the path to the output, with their grad."""
+    model = path_model(name).train()
+    out = model(random_ids(2, 9), output_attentions=True, output_hidden_states=True)
+    attentions, hidden = out.attentions[0], out.hidden_states[0]
+    attentions.retain_grad()
+    hidden.retain_grad()
+    out.logits.flatten()[0].backward()
+    assert attentions.grad is not None and attentions.grad.abs().sum() > 0
+    assert hidden.grad is not None
+
+
+def test_geometry_is_finite_for_every_input_length():
+    """A one-token input (a decode step without a mask) has no neighbouring pair: curvature is 0, never NaN."""
+    model = set_gates(tiny_model())
+    ids = random_ids(2, 6)
+    with torch.no_grad():
+        for n in (1, 2, 6):
+            geometry = model(ids[:, :n], output_geometry=True).geometry
+            assert all(torch.isfinite(v).all() for v in geometry.values()), (n, geometry)
+        cache = model(ids[:, :5], use_cache=True).cache
+        step = model(ids[:, 5:], cache=cache, output_geometry=True).geometry
+    assert all(torch.isfinite(v).all() for v in step.values())
+    assert (step["curvature"] == 0).all()
+
+
+def test_attention_dropout_trains_on_the_blocked_path(monkeypatch):
+    """attention_dropout > 0 stays on the memory-bounded blocked path (never the reference's n x n x r), drops at
+    random (reproducibly under torch.manual_seed), and is off in eval mode."""
+    model = set_gates(tiny_model(attention_dropout=0.3, attention_block_size=4))
+    ids = random_ids(2, 12)
+    with torch.no_grad():
+        eval_logits = model(ids).logits
+    monkeypatch.setattr(modeling, "reference_geodesic_attention", lambda *a, **k: pytest.fail("reference path used"))
+    model.train()
+    losses = []
+    for seed in (0, 0, 1):
+        torch.manual_seed(seed)
+        losses.append(model(ids, labels=ids).loss)
+    assert losses[0] == losses[1] and losses[0] != losses[2]
+    losses[0].backward()
+    assert model.model.layers[0].fiber.attn_gate.grad.abs().sum() > 0
+    torch.manual_seed(0)
+    assert (model(ids).logits.detach() - eval_logits).abs().max() > 1e-3
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, eval_logits, rtol=0, atol=0)
 
 
 def test_output_hidden_states_match_transformers_convention():
@@ -253,11 +308,13 @@ def test_output_geometry_returns_per_layer_proxies():
 def test_geometry_regularisers_enter_the_loss():
     ids = random_ids(2, 12)
     base = set_gates(tiny_model())
-    weighted = set_gates(tiny_model(curvature_weight=0.5, torsion_weight=2.0))
+    weighted = set_gates(tiny_model(curvature_weight=50.0, torsion_weight=2.0))
     out = weighted(ids, labels=ids, output_geometry=True)
     plain = base(ids, labels=ids).loss
-    expected = plain + 0.5 * out.geometry["curvature"].mean() + 2.0 * out.geometry["torsion"].mean()
-    torch.testing.assert_close(out.loss, expected)
+    curvature, torsion = out.geometry["curvature"].mean(), out.geometry["torsion"].mean()
+    added = out.loss - plain
+    assert 50.0 * curvature > 1e-4 and 2.0 * torsion > 1e-4  # each term moves the loss far beyond the tolerance
+    torch.testing.assert_close(added, 50.0 * curvature + 2.0 * torsion, rtol=1e-10, atol=1e-12)
     out.loss.backward()
     assert weighted.model.layers[0].fiber.attn_factor_proj.weight.grad.abs().sum() > 0
 
@@ -279,6 +336,144 @@ def test_tuple_output():
     with torch.no_grad():
         logits = model(ids, return_dict=False, use_cache=False)[0]
     torch.testing.assert_close(logits, model(ids).logits)
+
+
+@pytest.mark.parametrize("via", ["argument", "config"])
+def test_return_dict_false_gives_the_tuples_llama_gives(via):
+    """transformers' tuple/dict equivalence: the base model and the LM, asked by argument or by config.return_dict."""
+    source, fiber = backbone_pair("llama", tie=False)
+    ids = random_ids(2, 6)
+    kwargs = dict(output_hidden_states=True, output_attentions=True, use_cache=True)
+    for model in (source, fiber):
+        if via == "config":
+            model.config.return_dict = False
+    # (LlamaForCausalLM itself crashes with config.return_dict=False in transformers 5.24: its base model returns a
+    # tuple to it. Ours does not; with the config flag LLaMA is compared at the base model.)
+    pairs = ((fiber.model, source.model), (fiber, source)) if via == "argument" else ((fiber.model, source.model),)
+    if via == "config":
+        with torch.no_grad():
+            lm_tuple = fiber(ids, **kwargs)
+        assert isinstance(lm_tuple, tuple) and len(lm_tuple) == 4  # logits, cache, hidden states, attentions
+    with torch.no_grad():
+        for mine, theirs in pairs:
+            got = mine(ids, **kwargs, **({"return_dict": False} if via == "argument" else {}))
+            expected = theirs(ids, **kwargs, **({"return_dict": False} if via == "argument" else {}))
+            assert isinstance(got, tuple) and isinstance(expected, tuple) and len(got) == len(expected)
+            torch.testing.assert_close(got[0], expected[0], rtol=1e-12, atol=1e-12)
+            dict_out = mine(ids, **kwargs, return_dict=True)
+            assert not isinstance(dict_out, tuple)
+            torch.testing.assert_close(dict_out.to_tuple()[0], got[0])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# masks as the backbone reads them, RoPE types, dropout, low precision (the model meets LlamaForCausalLM's contracts)
+# ---------------------------------------------------------------------------------------------------------------------
+def custom_float_mask(batch, n, heads=1, seed=0):
+    """A (B, heads, n, n) additive mask as users build them: causal blocks at the dtype's minimum, and allowed
+    entries carrying arbitrary biases, -1e4 and -1e9 (never a whole row: the backbone's rows stay defined)."""
+    gen = torch.Generator().manual_seed(seed)
+    mask = 2.0 * torch.randn(batch, heads, n, n, generator=gen, dtype=F64)
+    mask[..., 1::3] = -1e4
+    mask[..., 2::4] = -1e9
+    mask.diagonal(dim1=-2, dim2=-1).zero_()
+    return mask.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), torch.finfo(F64).min)
+
+
+@pytest.mark.parametrize("heads", [1, TINY["num_attention_heads"]])
+@pytest.mark.parametrize("path", ["blocked", "reference"])
+def test_custom_4d_masks_at_the_graft_equal_the_backbone(path, heads):
+    """DESIGN 1.2: at the graft the model equals its backbone under every mask: a 4D float mask is added whatever its
+    values, a bool mask selects, and a per-head (B, H, q, kv) mask applies per query head under GQA."""
+    source, fiber = backbone_pair("llama", tie=False, fiber_attention_path=path, attention_block_size=4)
+    ids = random_ids(2, 11)
+    float_mask = custom_float_mask(2, 11, heads)
+    bool_mask = float_mask > torch.finfo(F64).min
+    if heads > 1:  # heads of one KV group see different keys: a per-head sliding window
+        rows, cols = torch.arange(11)[:, None], torch.arange(11)[None]
+        windows = torch.stack([(cols > rows - 2 - 2 * h) for h in range(heads)])[None]
+        bool_mask = bool_mask & windows
+        float_mask = float_mask.masked_fill(~windows, torch.finfo(F64).min)
+    with torch.no_grad():
+        got = fiber(ids, attention_mask=float_mask).logits
+        for impl, tol in (("eager", 1e-6), ("sdpa", 1e-12)):  # LLaMA's eager softmax runs in float32
+            source.set_attn_implementation(impl)
+            torch.testing.assert_close(got, source(ids, attention_mask=float_mask).logits, rtol=tol, atol=tol)
+        expected = source(ids, attention_mask=bool_mask).logits  # sdpa: a bool mask selects
+        torch.testing.assert_close(fiber(ids, attention_mask=bool_mask).logits, expected, rtol=1e-12, atol=1e-12)
+
+
+ROPE_CASES = {  # max_position_embeddings, rope_parameters: every type transformers supports for LLaMA
+    "default": (16, {"rope_type": "default"}),
+    "linear": (16, {"rope_type": "linear", "factor": 2.0}),
+    "dynamic": (16, {"rope_type": "dynamic", "factor": 2.0}),
+    "yarn": (32, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}),
+    "longrope": (32, {"rope_type": "longrope", "original_max_position_embeddings": 8,
+                      "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [1.0 + 0.5 * i for i in range(8)]}),
+    "llama3": (16, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8}),
+}
+
+
+def rope_pair(name):
+    max_positions, rope = ROPE_CASES[name]
+    rope = {**rope, "rope_theta": 10000.0}
+    torch.manual_seed(0)
+    keys = {**BACKBONE_KEYS, "max_position_embeddings": max_positions, "rope_parameters": dict(rope)}
+    source = LlamaForCausalLM(LlamaConfig(**keys)).to(F64).eval()
+    fiber = tiny_model(seed=1, max_position_embeddings=max_positions, rope_parameters=dict(rope))
+    fiber.load_state_dict(source.state_dict(), strict=False)
+    return source, fiber
+
+
+@pytest.mark.parametrize("name", list(ROPE_CASES))
+def test_every_llama_rope_type_equals_llama_beyond_max_position_embeddings(name):
+    source, fiber = rope_pair(name)
+    ids = random_ids(2, 40)  # longer than max_position_embeddings (16 or 32)
+    with torch.no_grad():
+        torch.testing.assert_close(fiber(ids).logits, source(ids).logits, rtol=1e-12, atol=1e-12)
+    prompt = random_ids(1, 10)  # generation crosses the original length (dynamic and longrope switch frequencies)
+    args = dict(max_new_tokens=30, min_new_tokens=30, do_sample=False)
+    torch.testing.assert_close(fiber.generate(prompt, **args), source.generate(prompt, **args), rtol=0, atol=0)
+    awake = set_gates(fiber)
+    with torch.no_grad():  # with the metric awake, the cache still reproduces the full forward
+        full = awake(ids, use_cache=False).logits[:, -1]
+        cache = awake(ids[:, :-1], use_cache=True).cache
+        step = awake(ids[:, -1:], cache=cache).logits[:, -1]
+    torch.testing.assert_close(step, full, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rope", ["default", "yarn", "longrope"])
+def test_metric_is_spd_in_every_dtype_and_rope_type(monkeypatch, dtype, rope):
+    """DESIGN 1.1: G_i = I + alpha U_i U_i^T is SPD for every input, in the dtype the model runs in, whatever the RoPE
+    type: the factors the attention uses (after their rotation) keep ||U_i||_2 < 1 (YaRN's and longrope's
+    attention_scaling turn q and k only) and alpha stays above -1 where expm1 rounds to -1."""
+    max_positions, params = ROPE_CASES[rope]
+    model = tiny_model(dtype=dtype, max_position_embeddings=max_positions,
+                       rope_parameters={**params, "rope_theta": 10000.0})
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.fiber.attn_factor_proj.weight.mul_(1e3)  # huge raw factors: ||U_i|| right at the bound
+            layer.fiber.attn_gate.fill_(-20.0)  # alpha = expm1(-20): exactly -1 in float32 without a floor
+            layer.fiber.ffn_factor_proj.weight.mul_(1e3)
+            layer.fiber.ffn_gate.fill_(-20.0)
+    seen = []
+    rotate = modeling.rotate_factors
+    monkeypatch.setattr(modeling, "rotate_factors", lambda f, c, s: seen.append(rotate(f, c, s)) or seen[-1])
+    states = []
+    metric_forward = modeling.FiberBundleMetric.forward
+    monkeypatch.setattr(modeling.FiberBundleMetric, "forward",
+                        lambda self, *a: states.append(metric_forward(self, *a)) or states[-1])
+    with torch.no_grad():
+        logits = model(random_ids(2, 40)).logits
+    assert torch.isfinite(logits).all() and len(seen) == len(states) == TINY["num_hidden_layers"]
+    for factors, state in zip(seen, states):
+        assert factors.dtype != torch.bfloat16 and factors.dtype != torch.float16  # computed in at least fp32
+        sigma_sq = torch.linalg.eigvalsh(metric_gram(factors.double())).amax(-1)  # (B, Hk, n): ||U_i||_2^2
+        alpha = state.alpha.double().view(1, factors.shape[1], -1, 1)  # (1, Hk, g, 1): the heads sharing U_i
+        assert (1.0 + alpha * sigma_sq[:, :, None]).min() > 0  # G's smallest eigenvalue, from the kernel's values
+        v_sq = torch.linalg.eigvalsh(metric_gram(state.ffn_factors.double())).amax(-1)
+        assert (1.0 + state.beta.double() * v_sq).min() > 0  # M_i's smallest eigenvalue
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -314,6 +509,49 @@ def test_static_cache_generation_equals_dynamic_cache():
     dynamic = model.generate(ids, **args)
     static = model.generate(ids, cache_implementation="static", **args)
     assert torch.equal(dynamic, static)
+
+
+def compiled_generation(model, ids, mask, backend, through_config):
+    """Greedy tokens from a static cache with a fullgraph-compiled forward (dynamo raises on any graph break), either
+    compiling model.forward by hand or through generation_config.compile_config, as transformers documents."""
+    args = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    if through_config:
+        config = CompileConfig(fullgraph=True, backend=backend, mode="default")
+        config._compile_all_devices = True  # transformers compiles on CUDA only unless told (its own tests do this)
+        model.generation_config.compile_config = config
+        out = model.generate(ids, cache_implementation="static", **args)
+        assert hasattr(model, "_compiled_call")  # the decode steps ran the compiled forward
+        return out
+    eager_forward = model.forward
+    model.forward = torch.compile(eager_forward, fullgraph=True, backend=backend)
+    try:  # prefill and decode steps both compiled
+        return model.generate(ids, cache_implementation="static", **args)
+    finally:
+        model.forward = eager_forward
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_static_cache_compiles_fullgraph_and_gives_the_eager_tokens(padded):
+    """_can_compile_fullgraph is honest: no graph break (no .item(), no data-dependent Python branch) in prefill or
+    decode, with and without padding. Dynamo only (backend "eager"): the inductor run is the heavy test below."""
+    assert FiberBundleForCausalLM._can_compile_fullgraph
+    torch._dynamo.reset()
+    model = set_gates(tiny_model(dtype=torch.float32, attention_block_size=4))
+    ids, mask = left_padded(batch=2, length=7, pads=(0, 3 if padded else 0))
+    eager = model.generate(ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                           pad_token_id=0)
+    assert torch.equal(compiled_generation(model, ids, mask, "eager", through_config=False), eager)
+
+
+@pytest.mark.heavy
+@pytest.mark.filterwarnings("ignore:`torch._prims_common.check` is deprecated:FutureWarning")  # inside inductor
+def test_compiled_generation_with_inductor_gives_the_eager_tokens():
+    torch._dynamo.reset()
+    model = set_gates(tiny_model(dtype=torch.float32))
+    ids, mask = left_padded(batch=2, length=7, pads=(0, 3))
+    eager = model.generate(ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                           pad_token_id=0)
+    assert torch.equal(compiled_generation(model, ids, mask, "inductor", through_config=True), eager)
 
 
 def test_beam_search_with_cache_equals_without_cache():
@@ -505,8 +743,8 @@ def test_config_rejects_invalid_values_with_the_field_name():
         tiny_config(metric_rank=17)  # > head_dim
     with pytest.raises(ValueError, match="sliding_window"):
         tiny_config(layer_types=["sliding_attention"] * 2)
-    with pytest.raises(ValueError, match="rope_type"):
-        FiberBundleForCausalLM(tiny_config(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}))
+    with pytest.raises(ValueError, match="rope_type"):  # a type transformers has but not for LLaMA
+        tiny_config(rope_parameters={"rope_type": "proportional", "rope_theta": 1e4, "factor": 2.0})
 
 
 def test_config_round_trip_and_backbone_fields(tmp_path):

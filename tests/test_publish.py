@@ -7,6 +7,7 @@ import huggingface_hub
 import pytest
 import torch
 from huggingface_hub import ModelCard
+from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
 
 from conftest import tiny_model, tiny_tokenizer
 from fiber_bundle.conversion.cli import main as cli_main
@@ -49,6 +50,7 @@ class RecordingApi:
         return f"https://huggingface.co/{repo_id}"
 
     def upload_folder(self, **kwargs):
+        kwargs["ignore_patterns"] += DEFAULT_IGNORE_PATTERNS  # as HfApi.upload_folder does, to the list it is given
         RecordingApi.calls.append(("upload_folder", kwargs))
         if RecordingApi.fail_upload:
             raise http_error(huggingface_hub.errors.HfHubHTTPError, 403, "403 Forbidden: no write access")
@@ -73,19 +75,50 @@ def test_dry_run_checks_renders_the_card_and_makes_no_call(folder, api):
 
 
 def test_upload_goes_through_hfapi_with_the_right_arguments(folder, api):
+    patterns = list(IGNORE_PATTERNS)
     result = publish(folder, "someone/fbt-tiny", private=True, revision="dev", check_load=False)
     names = [call[0] for call in api.calls]
     assert names == ["repo_info", "create_repo", "upload_folder"]
     assert api.calls[1][1] == "someone/fbt-tiny" and api.calls[1][2]["private"] is True
     upload = api.calls[2][1]
     assert upload["repo_id"] == "someone/fbt-tiny" and upload["revision"] == "dev"
-    assert upload["folder_path"] == str(folder) and upload["ignore_patterns"] == IGNORE_PATTERNS
+    assert upload["folder_path"] == str(folder) and upload["ignore_patterns"] == patterns + DEFAULT_IGNORE_PATTERNS
+    assert IGNORE_PATTERNS == patterns  # upload_folder extends the list it is given: publish passes a copy
     assert not result["dry_run"]
     assert {"config.json", "model.safetensors", "README.md", "modeling_fiber_bundle.py", "fiber_attention.py",
             "configuration_fiber_bundle.py", "tokenizer.json"} <= set(result["files"])
     for path in folder.rglob("*"):  # the token is never written anywhere
         if path.is_file():
             assert b"hf_test_token_never_written" not in path.read_bytes(), path
+
+
+CHECKPOINT = ("model.safetensors", "config.json", "optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state.pth",
+              "trainer_state.json", "training_args.bin")  # what the Trainer writes into a checkpoint-N folder
+RUN_ARTEFACTS = [*(f"checkpoints/checkpoint-{n}/{name}" for n in (2, 4) for name in CHECKPOINT),  # fiber-bundle train
+                 "checkpoints/runs/May01_12-00-00_host/events.out.tfevents.1.host",  # ... with --report_to tensorboard
+                 *(f"checkpoint-6/{name}" for name in CHECKPOINT),  # a Trainer run with the folder as output_dir
+                 *(f"run/checkpoint-8/{name}" for name in CHECKPOINT),  # ... or a folder inside it
+                 "trainer_state.json", "rng_state_0.pth", "run/scaler.pt", ".env", ".ipynb_checkpoints/x.ipynb",
+                 "tokenizer/.DS_Store"]
+TOP_LEVEL_PICKLES = ["optimizer.pt", "scheduler.pt", "training_args.bin"]  # refused by the check before any upload
+
+
+def test_upload_leaves_out_checkpoints_optimiser_states_and_other_run_artefacts(folder, api):
+    """The recorded ignore_patterns, applied by huggingface_hub's own filter (the one upload_folder uses) to the
+    folder's real files, keep exactly the model's files; the dry run lists the same files."""
+    model_files = sorted({p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()} | {"README.md"})
+    for name in RUN_ARTEFACTS:
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(b"run artefact")
+    assert publish(folder, "someone/fbt-tiny", dry_run=True)["files"] == model_files
+    publish(folder, "someone/fbt-tiny", check_load=False)
+    patterns = api.calls[-1][1]["ignore_patterns"]
+    for name in TOP_LEVEL_PICKLES:
+        (folder / name).write_bytes(b"run artefact")
+    with pytest.raises(PublishError, match="pickled weights"):
+        publish(folder, "someone/fbt-tiny", check_load=False)
+    files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+    assert sorted(filter_repo_objects(files, ignore_patterns=patterns)) == model_files
 
 
 def test_private_onto_an_existing_public_repo_is_refused(folder, api):

@@ -395,23 +395,44 @@ def test_lora_blocks_are_heads_rows_of_b_and_columns_of_a():
 
 
 def test_isometry_start_keeps_the_model_and_refuses_what_it_would_change():
+    """At the graft the start orthonormalises the metric generators (they change, the logits do not: the gates leave
+    the metric unused); off the graft, where the same orthonormalisation changes the logits, it is refused."""
     from conftest import random_ids, set_gates, tiny_model
     from fiber_bundle.training import prepare_for_training
-    from fiber_bundle.training.riemannian import _is_orthonormal, build_optimizer, metric_groups
+    from fiber_bundle.training.riemannian import (_is_orthonormal, build_optimizer, metric_groups,
+                                                  orthonormalize_group_)
+
+    def generators(model):  # W_z, W_U, W_V of every layer
+        return [p.detach().clone() for group in metric_groups(model) for p in group["params"]]
 
     model = prepare_for_training(tiny_model(), "metric-only")
     ids = random_ids(2, 12)
-    before = model(input_ids=ids).logits
+    before, drawn = model(input_ids=ids).logits, generators(model)
+    assert not any(_is_orthonormal(g) for g in metric_groups(model))  # drawn at random: the start has work to do
     with pytest.raises(ValueError, match="fewer rows than its rank"):  # a head's W_U block: 2 x 16 rows, rank 32
         build_optimizer(model, "grassmann", lr=1e-2, block=True)
     optimizer = build_optimizer(model, "grassmann", lr=1e-2)
     assert all(_is_orthonormal(g) for g in metric_groups(model))
-    assert torch.equal(model(input_ids=ids).logits, before)  # gates at the graft value: the metric is unused
+    assert all((new - old).abs().max() > 1e-3 for new, old in zip(generators(model), drawn))  # every generator moved
+    assert torch.equal(model(input_ids=ids).logits, before)  # and the function did not: gates at the graft value
     assert [g["geometry"] for g in optimizer.param_groups] == ["grassmann", "grassmann", "adamw"]
     trained = prepare_for_training(set_gates(tiny_model()), "metric-only")
+    before, drawn = trained(input_ids=ids).logits, generators(trained)
     with pytest.raises(ValueError, match="gates off the graft value"):
         build_optimizer(trained, "stiefel-euclidean", lr=1e-2)
+    assert all(torch.equal(new, old) for new, old in zip(generators(trained), drawn))  # refused before any write
     build_optimizer(trained, "riemannian-quotient", lr=1e-2)  # fixed rank needs nothing
+    assert torch.equal(trained(input_ids=ids).logits, before)
+    for group in metric_groups(trained):  # what the refusal prevents: here orthonormalising changes the model
+        orthonormalize_group_(group)
+    assert (trained(input_ids=ids).logits - before).abs().max() > 1e-3
+    one_gate = prepare_for_training(tiny_model(), "metric-only")  # one gate off the graft: the last MLP metric's
+    with torch.no_grad():
+        one_gate.model.layers[-1].fiber.ffn_gate.fill_(0.5)
+    before = one_gate(input_ids=ids).logits
+    with pytest.raises(ValueError, match="layers.1.*gates off the graft value"):
+        build_optimizer(one_gate, "grassmann", lr=1e-2)
+    assert torch.equal(one_gate(input_ids=ids).logits, before)
     with pytest.raises(ValueError, match="cannot represent the trained W_Q"):
         build_optimizer(prepare_for_training(tiny_model(), "full"), "stiefel-canonical", lr=1e-2)
     plain = tiny_model(metric_rank=0, ffn_metric_rank=0)

@@ -8,13 +8,17 @@ import json
 import tempfile
 from pathlib import Path
 
+from huggingface_hub.utils import filter_repo_objects
+
 from fiber_bundle.conversion.fresh_process import run_without_project
 
 REQUIRED_AUTO_MAP = ("AutoConfig", "AutoModel", "AutoModelForCausalLM")
 MODELING_FILES = ("configuration_fiber_bundle.py", "modeling_fiber_bundle.py", "fiber_attention.py")
-# never uploaded: training checkpoints, optimiser / scheduler / RNG states, pickles, hidden files
-IGNORE_PATTERNS = ["checkpoints/*", "checkpoint-*/*", "optimizer.pt", "scheduler.pt", "rng_state*", "*.bin", "*.pth",
-                   ".*", "*/.*", "training_args.bin"]
+# never uploaded (huggingface_hub's patterns: fnmatch on the path in the folder, "*" crosses "/"): training checkpoints
+# (checkpoints/, and a Trainer's checkpoint-N/ at any depth), the Trainer's state, optimiser / scheduler / scaler / RNG
+# states and any other pickle (.pt, .pth, .bin: training_args.bin, ...), hidden files and folders
+IGNORE_PATTERNS = ["checkpoints/*", "checkpoint-*/*", "*/checkpoint-*/*", "trainer_state.json", "*.pt", "*.pth",
+                   "*.bin", ".*", "*/.*"]
 
 class PublishError(RuntimeError):
     """Publishing cannot proceed; the message names the problem and the fix."""
@@ -90,7 +94,9 @@ def publish(folder: str | Path, repo_id: str, *, private: bool = False, revision
     if problems:
         raise PublishError(f"{folder} is not ready to publish: " + "; ".join(problems))
     finish_card(folder, repo_id)
-    files = sorted(p.name for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
+    # what upload_folder sends: the folder's files, relative paths, filtered by the same function and patterns
+    files = sorted(filter_repo_objects((p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()),
+                                       ignore_patterns=IGNORE_PATTERNS))
     if dry_run:
         return {"repo_id": repo_id, "dry_run": True, "files": files}
 
@@ -112,7 +118,7 @@ def publish(folder: str | Path, repo_id: str, *, private: bool = False, revision
             pass
         url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
         commit = api.upload_folder(repo_id=repo_id, folder_path=str(folder), revision=revision,
-                                   ignore_patterns=IGNORE_PATTERNS,
+                                   ignore_patterns=list(IGNORE_PATTERNS),  # upload_folder extends the list
                                    commit_message="Upload Fiber Bundle model with fiber-bundle publish")
     except PublishError:
         raise
