@@ -1,4 +1,5 @@
-"""Graft per-token metrics onto a pretrained LLaMA / Mistral / Qwen2 / Qwen3 checkpoint (DESIGN.md section 2).
+"""Graft per-token metrics onto a pretrained LLaMA / Mistral / Qwen2 / Qwen3 checkpoint (DESIGN.md section 2): a causal
+LM, or a sequence classifier (reward model), whose head is kept.
 
 Every backbone tensor is copied unchanged (names mapped by ``weight_maps``), the new ``fiber`` parameters are added
 at their graft values (gates 0, random bounded factor generators), and the result is a Hub folder (DESIGN.md
@@ -24,17 +25,18 @@ from transformers import AutoConfig
 from tqdm.auto import tqdm
 from transformers.dynamic_module_utils import get_relative_import_files
 
-from modeling_fiber_bundle import FiberBundleConfig, FiberBundleForCausalLM
+from modeling_fiber_bundle import FiberBundleConfig, FiberBundlePreTrainedModel
 from modeling_fiber_bundle import modeling_fiber_bundle as modeling
 
-from .weight_maps import LAYER_PATTERN, SUPPORTED_ARCHITECTURES, WEIGHT_MAPS
+from .weight_maps import LAYER_PATTERN, SUPPORTED_ARCHITECTURES, WEIGHT_MAPS, weight_map
 
-# Backbone configuration fields copied from the source config as they are (same names in every supported family).
-BACKBONE_FIELDS = (
+# Configuration fields copied from the source config as they are (same names in every supported family).
+SOURCE_FIELDS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "initializer_range", "rms_norm_eps",
     "rope_parameters", "attention_bias", "mlp_bias", "attention_dropout", "tie_word_embeddings", "bos_token_id",
     "eos_token_id", "pad_token_id", "sliding_window", "layer_types",
+    "id2label", "label2id", "problem_type",  # a classifier's labels (num_labels is len(id2label))
 )
 # What each family's attention has that the field names above do not say.
 FAMILY_FIELDS = {
@@ -47,6 +49,8 @@ TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
     "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json", "generation_config.json",
 )
+# The model card's pipeline tag, by the Auto class that loads the converted model.
+PIPELINE_TAGS = {"AutoModelForCausalLM": "text-generation", "AutoModelForSequenceClassification": "text-classification"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -56,10 +60,12 @@ class ConversionError(RuntimeError):
 
 @dataclass
 class Source:
-    """A checkpoint to convert: its transformers config, its family, and its tensors as a list of shard readers."""
+    """A checkpoint to convert: its transformers config, its family and head (``weight_maps.SUPPORTED_ARCHITECTURES``),
+    and its tensors as a list of shard readers."""
 
     config: object
     family: str
+    head: str
     folder: Path | None  # where tokenizer files live (None for an in-memory source)
     shards: list  # callables, each returning an iterator of (name, tensor) for one shard
     shard_bytes: list[int]
@@ -69,14 +75,15 @@ class Source:
 # ----------------------------------------------------------------------------------------------------------------------
 # Reading sources
 # ----------------------------------------------------------------------------------------------------------------------
-def _family(config) -> str:
+def _architecture(config) -> tuple[str, str]:
+    """(family, head) of the source class the config declares; a config that declares none is a causal LM."""
     architectures = list(getattr(config, "architectures", None) or [])
     supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
     for name in architectures:
         if name in SUPPORTED_ARCHITECTURES:
             return SUPPORTED_ARCHITECTURES[name]
     if not architectures and config.model_type in WEIGHT_MAPS:
-        return config.model_type
+        return config.model_type, "ForCausalLM"
     found = ", ".join(architectures) or f"model_type {config.model_type!r}"
     raise ConversionError(f"unsupported architecture: {found}. Supported: {supported}.")
 
@@ -122,7 +129,7 @@ def _folder_source(folder: Path, allow_pickle: bool) -> Source:
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
         raise ConversionError(f"the checkpoint index lists shards that are not there: {', '.join(missing)}.")
-    return Source(config, _family(config), folder, readers, [p.stat().st_size for p in paths])
+    return Source(config, *_architecture(config), folder, readers, [p.stat().st_size for p in paths])
 
 
 def _gguf_source(folder: Path, filename: str) -> Source:
@@ -133,7 +140,8 @@ def _gguf_source(folder: Path, filename: str) -> Source:
     config = model.config
     del model
     size = sum(t.numel() * t.element_size() for t in state.values())
-    return Source(config, _family(config), folder, [lambda: iter(state.items())], [size], gguf=(folder, filename))
+    return Source(config, *_architecture(config), folder, [lambda: iter(state.items())], [size],
+                  gguf=(folder, filename))
 
 
 def open_source(source: str | Path, *, gguf_file: str | None = None, allow_pickle: bool = False) -> Source:
@@ -164,9 +172,19 @@ def open_source(source: str | Path, *, gguf_file: str | None = None, allow_pickl
 # ----------------------------------------------------------------------------------------------------------------------
 # Config, new parameters, writing
 # ----------------------------------------------------------------------------------------------------------------------
-def fiber_config_from_source(source_config, family: str, **geometry) -> FiberBundleConfig:
-    """A fresh FiberBundleConfig holding the source's backbone values and the requested geometry."""
-    fields = {name: getattr(source_config, name) for name in BACKBONE_FIELDS if getattr(source_config, name, None)
+def fiber_class(head: str) -> type[FiberBundlePreTrainedModel]:
+    """The Fiber Bundle class that takes a source's head (``weight_maps.HEADS``): "FiberBundle" + the head's suffix."""
+    return getattr(modeling, f"FiberBundle{head}")
+
+
+def configured_class(config: FiberBundleConfig) -> type[FiberBundlePreTrainedModel]:
+    """The Fiber Bundle class a converted config names in ``architectures``."""
+    return getattr(modeling, config.architectures[0])
+
+
+def fiber_config_from_source(source_config, family: str, head: str = "ForCausalLM", **geometry) -> FiberBundleConfig:
+    """A fresh FiberBundleConfig holding the source's backbone (and label) values and the requested geometry."""
+    fields = {name: getattr(source_config, name) for name in SOURCE_FIELDS if getattr(source_config, name, None)
               is not None}
     fields.update(FAMILY_FIELDS[family])
     if family == "mistral" and fields.get("sliding_window") is not None:
@@ -174,16 +192,17 @@ def fiber_config_from_source(source_config, family: str, **geometry) -> FiberBun
     if fields.get("layer_types") and "sliding_attention" not in fields["layer_types"]:
         fields.pop("sliding_window", None)
     dtype = getattr(source_config, "dtype", None)
-    return FiberBundleConfig(**fields, **geometry, dtype=dtype, architectures=["FiberBundleForCausalLM"])
+    return FiberBundleConfig(**fields, **geometry, dtype=dtype, architectures=[fiber_class(head).__name__])
 
 
-def meta_model(config: FiberBundleConfig) -> FiberBundleForCausalLM:
-    """The converted model's structure, without memory: names and shapes of every tensor."""
+def meta_model(config: FiberBundleConfig) -> FiberBundlePreTrainedModel:
+    """The converted model's structure (the class its config names), without memory: names and shapes of every
+    tensor."""
     with torch.device("meta"):
-        return FiberBundleForCausalLM(config)
+        return configured_class(config)(config)
 
 
-def init_geometry(model: FiberBundleForCausalLM, seed: int) -> None:
+def init_geometry(model: FiberBundlePreTrainedModel, seed: int) -> None:
     """(Re)initialise every layer's ``fiber`` module in place at its graft values (gates 0, generators random), with
     the model's own _init_weights: the model then computes its backbone's function again."""
     torch.manual_seed(seed)
@@ -197,7 +216,7 @@ def init_geometry(model: FiberBundleForCausalLM, seed: int) -> None:
             model._init_weights(fiber)
 
 
-def new_parameters(model: FiberBundleForCausalLM, seed: int) -> dict[str, torch.Tensor]:
+def new_parameters(model: FiberBundlePreTrainedModel, seed: int) -> dict[str, torch.Tensor]:
     """The ``fiber`` parameters of every layer at their graft values, initialised by the model's own _init_weights."""
     init_geometry(model, seed)
     tensors = {}
@@ -209,7 +228,7 @@ def new_parameters(model: FiberBundleForCausalLM, seed: int) -> dict[str, torch.
     return tensors
 
 
-def expected_shapes(model: FiberBundleForCausalLM) -> dict[str, torch.Size]:
+def expected_shapes(model: FiberBundlePreTrainedModel) -> dict[str, torch.Size]:
     shapes = {name: p.shape for name, p in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)  # tied: stored once, as the embedding
@@ -345,7 +364,7 @@ def convert_checkpoint(
     geometry = dict(metric_rank=metric_rank, metric_hidden=metric_hidden,
                     ffn_metric_rank=metric_rank if ffn_metric_rank is None else ffn_metric_rank)
     try:
-        config = fiber_config_from_source(src.config, src.family, **geometry)
+        config = fiber_config_from_source(src.config, src.family, src.head, **geometry)
     except ValueError as error:
         raise ConversionError(f"invalid geometry for this checkpoint: {error}") from error
     target_dtype = DTYPES[dtype] if dtype else None
@@ -401,7 +420,7 @@ def _auto_metric_rank(src: Source) -> tuple[int, dict]:
 def _write_folder(src: Source, config: FiberBundleConfig, folder: Path, max_bytes: int, dtype, seed: int,
                   show_progress: bool = True):
     structure = meta_model(config)
-    table, shapes = WEIGHT_MAPS[src.family], expected_shapes(structure)
+    table, shapes = weight_map(src.family, src.head), expected_shapes(structure)
     writer, written = ShardWriter(folder, max_bytes), set()
 
     def emit(name, tensor):
@@ -504,8 +523,9 @@ def write_model_card(folder: Path, *, config, source: str, family: str, report: 
 
     from fiber_bundle.model_cards import template_path
 
+    auto_class = configured_class(config)._auto_class
     data = ModelCardData(
-        base_model=base_model, library_name="transformers", pipeline_tag="text-generation", license=license,
+        base_model=base_model, library_name="transformers", pipeline_tag=PIPELINE_TAGS[auto_class], license=license,
         tags=["fiber-bundle", "riemannian-attention", "custom_code", family],
     )
     parity = "not checked (--no-verify)"
@@ -513,8 +533,9 @@ def write_model_card(folder: Path, *, config, source: str, family: str, report: 
     if report is not None:
         p = report["parity"]
         parity = (f"max abs logit difference {p['max_abs_logit_diff']:.2e} (bound {p['bound']:.2e}) on "
-                  f"{p['calibration_tokens']} tokens; greedy agreement {p['greedy_agreement']:.0%} over "
-                  f"{p['greedy_tokens']} tokens")
+                  f"{p['calibration_tokens']} tokens")
+        if p["greedy_agreement"] is not None:  # a classifier does not generate
+            parity += f"; greedy agreement {p['greedy_agreement']:.0%} over {p['greedy_tokens']} tokens"
         geometry = f"{report['parameters']['geometry']:,}"
         overhead = f"{report['parameters']['overhead_percent']:.2f}%"
     card = ModelCard.from_template(
@@ -524,6 +545,7 @@ def write_model_card(folder: Path, *, config, source: str, family: str, report: 
         base_model=base_model or source,
         base_model_url=f"https://huggingface.co/{base_model}" if base_model else "#conversion",
         repo_id=repo_id or "OWNER/NAME",
+        auto_class=auto_class,
         metric_rank=config.metric_rank,
         ffn_metric_rank=config.ffn_metric_rank,
         metric_hidden=config.metric_hidden,

@@ -1,16 +1,19 @@
 """Parity of a converted folder with its source (DESIGN.md section 2), kept apart from the weight transform.
 
 The bound: max |logits difference| <= max(1e-4, 2 x the source's own eager-versus-sdpa difference on the same text),
-which is the floor any re-implemented attention sits on; greedy generations must be identical.
+which is the floor any re-implemented attention sits on; greedy generations must be identical. The logits compared are
+the head's: next-token logits for a causal LM, the pooled class scores for a sequence classifier (which does not
+generate, so has no greedy check).
 """
 
 import resource
 import sys
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+import transformers
+from transformers import AutoTokenizer
 
-from modeling_fiber_bundle import FiberBundleForCausalLM
+from .convert import fiber_class
 
 CALIBRATION_TOKENS = 384
 GREEDY_TOKENS = 32
@@ -24,11 +27,12 @@ def calibration_text() -> str:
 
 
 def _load_source(src, attn_implementation):
+    auto_class = getattr(transformers, f"AutoModel{src.head}")  # the source's own head
     kwargs = dict(dtype=torch.float32, attn_implementation=attn_implementation)
     if src.gguf is not None:
         folder, filename = src.gguf
-        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, **kwargs).eval()
-    return AutoModelForCausalLM.from_pretrained(src.folder, **kwargs).eval()
+        return auto_class.from_pretrained(folder, gguf_file=filename, **kwargs).eval()
+    return auto_class.from_pretrained(src.folder, **kwargs).eval()
 
 
 def _calibration_ids(load_tokenizer, vocab_size: int, tokens: int = CALIBRATION_TOKENS) -> torch.Tensor:
@@ -63,7 +67,7 @@ def auto_metric_rank(src, tokens: int = 256) -> tuple[int, dict]:
 
 def verify_conversion(src, folder, seconds: float) -> dict:
     """Run source and converted model on calibration text; return the conversion report (a JSON-able dict)."""
-    converted = FiberBundleForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    converted = fiber_class(src.head).from_pretrained(folder, dtype=torch.float32).eval()
     ids = _calibration_ids(lambda: AutoTokenizer.from_pretrained(folder, trust_remote_code=True),  # our own folder
                            converted.config.vocab_size)
     source = _load_source(src, "sdpa")  # loaded once; its eager run switches the attention implementation in place
@@ -75,14 +79,19 @@ def verify_conversion(src, folder, seconds: float) -> dict:
     floor = (eager - sdpa).abs().max().item()
     diff = (got - sdpa).abs().max().item()
     bound = max(1e-4, 2 * floor)
-    prompt = ids[:, :16]
-    args = dict(max_new_tokens=GREEDY_TOKENS, min_new_tokens=GREEDY_TOKENS, do_sample=False)
-    source_tokens = source.generate(prompt, **args)[0, 16:].tolist()
-    converted_tokens = converted.generate(prompt, **args)[0, 16:].tolist()
-    agreement = sum(a == b for a, b in zip(source_tokens, converted_tokens)) / len(source_tokens)
+    summary = f"max |dlogits| {diff:.3g} (bound {bound:.3g})"
+    greedy_tokens, agreement, same_tokens = 0, None, True  # a classifier does not generate
+    if converted.can_generate():
+        prompt, greedy_tokens = ids[:, :16], GREEDY_TOKENS
+        args = dict(max_new_tokens=greedy_tokens, min_new_tokens=greedy_tokens, do_sample=False)
+        source_tokens = source.generate(prompt, **args)[0, 16:].tolist()
+        converted_tokens = converted.generate(prompt, **args)[0, 16:].tolist()
+        agreement = sum(a == b for a, b in zip(source_tokens, converted_tokens)) / len(source_tokens)
+        same_tokens = source_tokens == converted_tokens
+        summary += f", greedy agreement {agreement:.0%} over {greedy_tokens} tokens"
     geometry = sum(p.numel() for p in converted.geometry_parameters())
     backbone = converted.num_parameters() - geometry
-    passed = diff <= bound and source_tokens == converted_tokens
+    passed = diff <= bound and same_tokens
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1024 if sys.platform != "darwin" else 1024**2)
     return {
         "parity": {
@@ -91,10 +100,9 @@ def verify_conversion(src, folder, seconds: float) -> dict:
             "source_eager_vs_sdpa": floor,
             "bound": bound,
             "calibration_tokens": int(ids.shape[1]),
-            "greedy_tokens": GREEDY_TOKENS,
+            "greedy_tokens": greedy_tokens,
             "greedy_agreement": agreement,
-            "summary": f"max |dlogits| {diff:.3g} (bound {bound:.3g}), greedy agreement {agreement:.0%} over "
-                       f"{GREEDY_TOKENS} tokens",
+            "summary": summary,
         },
         "parameters": {"backbone": backbone, "geometry": geometry, "overhead_percent": 100 * geometry / backbone},
         "conversion_seconds": seconds,

@@ -3,7 +3,8 @@ tensor that is consumed and not copied. ``{}`` stands for a layer index. The con
 tensor up here and fails on any name no table lists, so an architecture we do not know can never convert silently.
 
 Fiber Bundle keeps transformers' parameter names for the whole backbone, so every table is almost the identity;
-what differs between families is which tensors exist (Qwen2's q/k/v biases, Qwen3's per-head q/k norms).
+what differs between families is which tensors exist (Qwen2's q/k/v biases, Qwen3's per-head q/k norms). The task
+head is a table of its own, added to the family's: ``lm_head`` for a causal LM, ``score`` for sequence classification.
 """
 
 LAYER_PATTERN = r"\.(\d+)\."  # the layer index in a parameter name
@@ -11,7 +12,6 @@ LAYER_PATTERN = r"\.(\d+)\."  # the layer index in a parameter name
 _BACKBONE = [
     "model.embed_tokens.weight",
     "model.norm.weight",
-    "lm_head.weight",
     "model.layers.{}.input_layernorm.weight",
     "model.layers.{}.post_attention_layernorm.weight",
     "model.layers.{}.self_attn.q_proj.weight",
@@ -47,10 +47,22 @@ QWEN2 = _identity(_BACKBONE, _QKV_BIAS)
 QWEN3 = _identity(_BACKBONE, _QKV_BIAS, _O_BIAS, _QK_NORM)
 
 WEIGHT_MAPS = {"llama": LLAMA, "mistral": MISTRAL, "qwen2": QWEN2, "qwen3": QWEN3}
-# The source classes a checkpoint may declare in config.json "architectures", by model_type.
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
+# Task heads, by the suffix of the source class; the converted model is "FiberBundle" + suffix (same head names).
+HEADS = {
+    "ForCausalLM": {"lm_head.weight": "lm_head.weight"},
+    "ForSequenceClassification": {"score.weight": "score.weight"},  # reward models: a score head, no lm_head
 }
+# The source classes a checkpoint may declare in config.json "architectures": (family, head).
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": ("llama", "ForCausalLM"),
+    "LlamaForSequenceClassification": ("llama", "ForSequenceClassification"),
+    "MistralForCausalLM": ("mistral", "ForCausalLM"),
+    "Qwen2ForCausalLM": ("qwen2", "ForCausalLM"),
+    "Qwen2ForSequenceClassification": ("qwen2", "ForSequenceClassification"),
+    "Qwen3ForCausalLM": ("qwen3", "ForCausalLM"),
+}
+
+
+def weight_map(family: str, head: str) -> dict[str, str | None]:
+    """The whole table for a source: its family's backbone and its head."""
+    return {**WEIGHT_MAPS[family], **HEADS[head]}

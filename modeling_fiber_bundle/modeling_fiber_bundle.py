@@ -27,7 +27,12 @@ from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_layers import (
+    GenericForQuestionAnswering,
+    GenericForSequenceClassification,
+    GenericForTokenClassification,
+    GradientCheckpointingLayer,
+)
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -59,6 +64,9 @@ AUTO_MAP = {
     "AutoConfig": "configuration_fiber_bundle.FiberBundleConfig",
     "AutoModel": "modeling_fiber_bundle.FiberBundleModel",
     "AutoModelForCausalLM": "modeling_fiber_bundle.FiberBundleForCausalLM",
+    "AutoModelForSequenceClassification": "modeling_fiber_bundle.FiberBundleForSequenceClassification",
+    "AutoModelForTokenClassification": "modeling_fiber_bundle.FiberBundleForTokenClassification",
+    "AutoModelForQuestionAnswering": "modeling_fiber_bundle.FiberBundleForQuestionAnswering",
 }
 
 
@@ -726,9 +734,54 @@ class FiberBundleForCausalLM(FiberBundlePreTrainedModel, GenerationMixin):
         return output if _returns_dict(return_dict, self.config) else output.to_tuple()
 
 
+# Task heads: transformers' generic heads, as LLaMA uses them (the forward, last-non-pad pooling and losses are theirs).
+# Each builds its backbone as FiberBundleModel(config) rather than through the generic AutoModel.from_config, which in a
+# trust_remote_code load (this file in a Hub folder) finds no AutoModel for the folder's config class and stops at the
+# remote-code prompt.
+class FiberBundleForSequenceClassification(GenericForSequenceClassification, FiberBundlePreTrainedModel):
+    def __init__(self, config: FiberBundleConfig):
+        FiberBundlePreTrainedModel.__init__(self, config)
+        self.num_labels = config.num_labels
+        self.model = FiberBundleModel(config)
+        self.score = nn.Linear(config.hidden_size, self.num_labels, bias=False)
+        self.post_init()
+
+
+class FiberBundleForTokenClassification(GenericForTokenClassification, FiberBundlePreTrainedModel):
+    def __init__(self, config: FiberBundleConfig):
+        FiberBundlePreTrainedModel.__init__(self, config)
+        self.num_labels = config.num_labels
+        self.model = FiberBundleModel(config)
+        dropout = getattr(config, "classifier_dropout", None)
+        if dropout is None:
+            dropout = getattr(config, "hidden_dropout", None)
+        self.dropout = nn.Dropout(0.1 if dropout is None else dropout)  # the generic head's default
+        self.score = nn.Linear(config.hidden_size, config.num_labels,
+                               bias=getattr(config, "token_classification_bias", True))
+        self.post_init()
+
+
+class FiberBundleForQuestionAnswering(GenericForQuestionAnswering, FiberBundlePreTrainedModel):
+    def __init__(self, config: FiberBundleConfig):
+        FiberBundlePreTrainedModel.__init__(self, config)
+        self.model = FiberBundleModel(config)
+        self.qa_outputs = nn.Linear(config.hidden_size, 2)
+        self.post_init()
+
+
 # save_pretrained copies this file and its relative imports and writes auto_map, also after a trust_remote_code load
 FiberBundleConfig._auto_class = "AutoConfig"
 FiberBundleModel._auto_class = "AutoModel"
 FiberBundleForCausalLM._auto_class = "AutoModelForCausalLM"
+FiberBundleForSequenceClassification._auto_class = "AutoModelForSequenceClassification"
+FiberBundleForTokenClassification._auto_class = "AutoModelForTokenClassification"
+FiberBundleForQuestionAnswering._auto_class = "AutoModelForQuestionAnswering"
 
-__all__ = ["FiberBundleForCausalLM", "FiberBundleModel", "FiberBundlePreTrainedModel"]
+__all__ = [
+    "FiberBundleForCausalLM",
+    "FiberBundleForQuestionAnswering",
+    "FiberBundleForSequenceClassification",
+    "FiberBundleForTokenClassification",
+    "FiberBundleModel",
+    "FiberBundlePreTrainedModel",
+]

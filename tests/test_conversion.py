@@ -296,7 +296,7 @@ def test_hub_id_source_goes_through_the_hub_cache(tmp_path, monkeypatch):
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_full_size_key_lists_map_on_the_meta_device(family):
     """An 8B-class checkpoint's every tensor name and shape maps onto the converted model (no memory needed)."""
-    from fiber_bundle.conversion.weight_maps import WEIGHT_MAPS
+    from fiber_bundle.conversion.weight_maps import weight_map
 
     config_cls, model_cls, _ = SOURCES[family]
     config = config_cls(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -308,7 +308,7 @@ def test_full_size_key_lists_map_on_the_meta_device(family):
     shapes = engine.expected_shapes(engine.meta_model(fiber_config))
     targets = set()
     for name, tensor in source.state_dict().items():
-        known, target = engine._map_name(name, WEIGHT_MAPS[family])
+        known, target = engine._map_name(name, weight_map(family, "ForCausalLM"))
         assert known and target is not None, name
         assert shapes[target] == tensor.shape, name
         targets.add(target)

@@ -10,6 +10,7 @@ import torch
 from transformers.dynamic_module_utils import check_imports, get_imports, get_relative_imports
 
 from conftest import random_ids, run_without_project, set_gates, tiny_model, tiny_tokenizer
+from modeling_fiber_bundle.modeling_fiber_bundle import AUTO_MAP
 
 # Run in a child where this project cannot be imported (conftest.run_without_project): load as a Hub user does.
 CHILD = textwrap.dedent(
@@ -59,11 +60,8 @@ def test_folder_holds_config_auto_map_and_only_the_modeling_files(saved_folder):
     config = json.loads((folder / "config.json").read_text())
     assert config["model_type"] == "fiber_bundle"
     assert config["architectures"] == ["FiberBundleForCausalLM"]
-    assert config["auto_map"] == {
-        "AutoConfig": "configuration_fiber_bundle.FiberBundleConfig",
-        "AutoModel": "modeling_fiber_bundle.FiberBundleModel",
-        "AutoModelForCausalLM": "modeling_fiber_bundle.FiberBundleForCausalLM",
-    }
+    assert config["auto_map"] == AUTO_MAP  # every Auto class, the task heads' included
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_fiber_bundle.FiberBundleForCausalLM"
     py_files = sorted(p.name for p in folder.glob("*.py"))
     assert py_files == ["configuration_fiber_bundle.py", "fiber_attention.py", "modeling_fiber_bundle.py"]
     assert (folder / "model.safetensors").exists() and (folder / "generation_config.json").exists()
@@ -116,7 +114,7 @@ def test_resaving_a_remote_code_model_keeps_it_loadable(saved_folder, tmp_path):
     result = run_without_project(script, folder, resaved, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
     config = json.loads((resaved / "config.json").read_text())
-    assert set(config["auto_map"]) == {"AutoConfig", "AutoModel", "AutoModelForCausalLM"}
+    assert config["auto_map"] == AUTO_MAP
     assert sorted(p.name for p in Path(resaved).glob("*.py")) == [
         "configuration_fiber_bundle.py", "fiber_attention.py", "modeling_fiber_bundle.py"
     ]

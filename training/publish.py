@@ -11,8 +11,8 @@ from pathlib import Path
 from huggingface_hub.utils import filter_repo_objects
 
 from fiber_bundle.conversion.fresh_process import run_without_project
+from modeling_fiber_bundle.modeling_fiber_bundle import AUTO_MAP
 
-REQUIRED_AUTO_MAP = ("AutoConfig", "AutoModel", "AutoModelForCausalLM")
 MODELING_FILES = ("configuration_fiber_bundle.py", "modeling_fiber_bundle.py", "fiber_attention.py")
 # never uploaded (huggingface_hub's patterns: fnmatch on the path in the folder, "*" crosses "/"): training checkpoints
 # (checkpoints/, and a Trainer's checkpoint-N/ at any depth), the Trainer's state, optimiser / scheduler / scaler / RNG
@@ -31,9 +31,10 @@ def check_folder(folder: str | Path, *, load: bool = True) -> list[str]:
         return [f"{folder} has no config.json"]
     problems = []
     auto_map = json.loads((folder / "config.json").read_text()).get("auto_map") or {}
-    missing = [key for key in REQUIRED_AUTO_MAP if key not in auto_map]
+    missing = [key for key in AUTO_MAP if key not in auto_map]
     if missing:
-        problems.append(f"config.json auto_map lacks {missing}")
+        problems.append(f"config.json auto_map lacks {missing} (load the model and save_pretrained it again: that "
+                        "writes the whole auto_map)")
     problems += [f"modeling file {name} is missing" for name in MODELING_FILES if not (folder / name).is_file()]
     if not list(folder.glob("*.safetensors")):
         problems.append("no safetensors weights")
@@ -62,7 +63,7 @@ def finish_card(folder: Path, repo_id: str):
         card = ModelCard(f"---\n{ModelCardData().to_yaml()}\n---\n\n# {repo_id.split('/')[-1]}\n\nA Fiber Bundle "
                          "Transformer model.\n")
     card.data.library_name = "transformers"
-    card.data.pipeline_tag = "text-generation"
+    card.data.pipeline_tag = card.data.pipeline_tag or "text-generation"  # a converted classifier keeps its own
     card.data.tags = sorted(set(card.data.tags or []) | {"fiber-bundle", "custom_code"})
     card.text = card.text.replace("OWNER/NAME", repo_id)
     metrics_path = folder / "training_metrics.json"
