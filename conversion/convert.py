@@ -366,7 +366,7 @@ def convert_checkpoint(
     try:
         config = fiber_config_from_source(src.config, src.family, src.head, **geometry)
     except ValueError as error:
-        raise ConversionError(f"invalid geometry for this checkpoint: {error}") from error
+        raise ConversionError(f"this checkpoint cannot be a Fiber Bundle model: {error}") from error
     target_dtype = DTYPES[dtype] if dtype else None
     if target_dtype is not None:
         config.dtype = target_dtype

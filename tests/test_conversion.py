@@ -313,3 +313,23 @@ def test_full_size_key_lists_map_on_the_meta_device(family):
         assert shapes[target] == tensor.shape, name
         targets.add(target)
     assert set(shapes) - targets == {n for n in shapes if ".fiber." in n}  # only the new geometry is added
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope", "proportional"])
+def test_rope_types_llama_supports_convert_and_others_are_refused(tmp_path, rope_type):
+    """Every RoPE type transformers supports for LLaMA converts (with parity); any other stops with the list."""
+    save_source(tmp_path / "src", "llama")
+    config = json.loads((tmp_path / "src" / "config.json").read_text())
+    extra = {"factor": 2.0} if rope_type != "longrope" else {
+        "original_max_position_embeddings": 64, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    config["rope_parameters"] = {"rope_type": rope_type, "rope_theta": 10000.0, **extra}
+    (tmp_path / "src" / "config.json").write_text(json.dumps(config))
+    if rope_type == "proportional":
+        with pytest.raises(ConversionError, match=r"rope_type.*'default', 'linear', 'dynamic', 'yarn', 'longrope'"):
+            convert_checkpoint(tmp_path / "src", tmp_path / "out")
+        assert_nothing_written(tmp_path)
+    else:
+        report = convert_checkpoint(tmp_path / "src", tmp_path / "out").report
+        assert report["parity"]["passed"] and report["parity"]["greedy_agreement"] == 1.0
+        saved = json.loads((tmp_path / "out" / "config.json").read_text())
+        assert saved["rope_parameters"]["rope_type"] == rope_type
