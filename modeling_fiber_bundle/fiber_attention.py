@@ -133,10 +133,26 @@ def mask_terms(attention_mask: torch.Tensor | None, q_len: int, kv_len: int) -> 
     nothing (see ``zero_empty_rows``); every other float value is added to the score, as the backbone adds it."""
     if attention_mask is None:
         return MaskTerms(None, None)
+    if hasattr(attention_mask, "mask_mod"):  # flex_attention's BlockMask (attn_implementation="flex_attention")
+        attention_mask = dense_block_mask(attention_mask, q_len, kv_len)
     mask = attention_mask[..., :q_len, :kv_len]
     if mask.dtype == torch.bool:
         return MaskTerms(mask, None)
     return MaskTerms(mask > torch.finfo(mask.dtype).min, mask)
+
+
+def dense_block_mask(block_mask, q_len: int, kv_len: int) -> torch.Tensor:
+    """A flex_attention BlockMask as a boolean (B, 1, q, kv) mask, from its token-level ``mask_mod``.
+
+    Why: geodesic scores are not q.k, so flex's kernel cannot compute them; its mask still says who sees whom.
+    transformers' mask functions broadcast over index tensors (and carry the cache offsets themselves).
+    """
+    device = block_mask.kv_num_blocks.device
+    batch = torch.arange(block_mask.kv_num_blocks.shape[0], device=device)[:, None, None, None]
+    rows = torch.arange(q_len, device=device)[None, None, :, None]
+    cols = torch.arange(kv_len, device=device)[None, None, None, :]
+    allowed = block_mask.mask_mod(batch, torch.zeros_like(batch), rows, cols)
+    return allowed.expand(batch.shape[0], 1, q_len, kv_len)
 
 
 def causal_allowed(q_len: int, kv_len: int, device) -> torch.Tensor | None:
@@ -547,8 +563,8 @@ def woodbury_precondition(update: torch.Tensor, factors: torch.Tensor, beta: tor
     # matmul runs far below its speed; a multiply and a sum over D stream through memory once.
     coords = (v * y.unsqueeze(-2)).sum(-1, keepdim=True)  # V^T y: (..., r, 1)
     gram = metric_gram(v)  # V^T V: (..., r, r)
-    system = beta * gram
-    system.diagonal(dim1=-2, dim2=-1).add_(1.0)  # I + beta V^T V: SPD since beta > -1 and ||V||_2 < 1
+    eye = torch.eye(gram.shape[-1], dtype=compute, device=gram.device)
+    system = eye + beta * gram  # I + beta V^T V: SPD since beta > -1 and ||V||_2 < 1
     solved = torch.linalg.solve(system, coords)  # (..., r, 1)
     correction = (solved * v).sum(-2)  # V (.)^{-1} V^T y: (..., D)
     return (y - beta * correction).to(update.dtype)

@@ -508,7 +508,7 @@ class FiberBundlePreTrainedModel(PreTrainedModel):
     _no_split_modules = ["FiberBundleDecoderLayer"]
     _supports_sdpa = True  # metric_rank == 0 dispatches to sdpa; geodesic layers accept sdpa and eager masks
     _supports_flash_attn = False
-    _supports_flex_attn = False
+    _supports_flex_attn = True  # metric_rank == 0 dispatches to flex; geodesic layers read its BlockMask
     _supports_attention_backend = False
     _can_compile_fullgraph = True  # static cache + torch.compile(fullgraph=True): tested, no graph break
     _can_record_outputs = None
