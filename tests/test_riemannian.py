@@ -429,10 +429,11 @@ def test_isometry_start_keeps_the_model_and_refuses_what_it_would_change():
     one_gate = prepare_for_training(tiny_model(), "metric-only")  # one gate off the graft: the last MLP metric's
     with torch.no_grad():
         one_gate.model.layers[-1].fiber.ffn_gate.fill_(0.5)
-    before = one_gate(input_ids=ids).logits
+    before, drawn = one_gate(input_ids=ids).logits, generators(one_gate)
     with pytest.raises(ValueError, match="layers.1.*gates off the graft value"):
         build_optimizer(one_gate, "grassmann", lr=1e-2)
     assert torch.equal(one_gate(input_ids=ids).logits, before)
+    assert all(torch.equal(new, old) for new, old in zip(generators(one_gate), drawn))  # layer 0 untouched too
     with pytest.raises(ValueError, match="cannot represent the trained W_Q"):
         build_optimizer(prepare_for_training(tiny_model(), "full"), "stiefel-canonical", lr=1e-2)
     plain = tiny_model(metric_rank=0, ffn_metric_rank=0)

@@ -401,7 +401,9 @@ def start_on_isometries_(model, groups: list[dict]) -> None:
     function unchanged: a layer's metric generators while its gates are at the graft value (the metric is not used yet).
 
     Refused with the reason: LoRA pairs (a partial isometry has every singular value 1, so the update cannot start at
-    B A = 0 as LoRA must) and W_Q / W_K (orthonormal factors cannot represent a trained W_Q^T W_K)."""
+    B A = 0 as LoRA must) and W_Q / W_K (orthonormal factors cannot represent a trained W_Q^T W_K). Every group is
+    checked before any is written, so a refusal leaves the model untouched."""
+    to_orthonormalize = []
     for group in groups:
         label, kind = group.get("name", "a factored group"), group.get("kind")
         for lefts, rights in group["pairs"]:
@@ -415,7 +417,7 @@ def start_on_isometries_(model, groups: list[dict]) -> None:
                 raise ValueError(f"{label}: its metric is in use (gates off the graft value), so orthonormalising its "
                                  "generators would change the model: train it with riemannian-quotient or "
                                  "riemannian-embedded, or start from the converted (graft) model.")
-            orthonormalize_group_(group)
+            to_orthonormalize.append(group)
         elif kind == "lora":
             raise ValueError(f"{label}: a partial-isometry geometry cannot train LoRA pairs (every singular value of "
                              "B A would be 1 from the first step, so the adapter could not start at 0): use "
@@ -427,6 +429,8 @@ def start_on_isometries_(model, groups: list[dict]) -> None:
         else:
             raise ValueError(f"{label}: its factors are not orthonormal; orthonormalise them yourself "
                              "(orthonormalize_group_) if that leaves your model unchanged.")
+    for group in to_orthonormalize:
+        orthonormalize_group_(group)
 
 
 def build_optimizer(model, geometry: str, *, lr: float, riemannian_lr: float | None = None, momentum: float = 0.9,
