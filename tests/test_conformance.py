@@ -6,6 +6,11 @@ test_modeling.py. Every test runs on two models built from the same tiny float64
 
 * "fiber": FiberBundleForCausalLM with its gates moved off the graft (set_gates), so the geometry is active;
 * "llama": transformers' LlamaForCausalLM, the control. A test that fails on it is a wrong test.
+
+Not carried over: what transformers 5.24 removed (head masking and pruning, TorchScript, torch.fx, TF/Flax cross
+tests), the generation strategies moved to Hub `custom_generate` repositories (group / constrained beam, contrastive
+search, DoLa: they need the network), quantized caches (optimum-quanto, hqq: not installed), and what needs a CUDA
+device (flash-attention, offloaded caches, device-map offload and model parallelism, compiled training).
 """
 
 import inspect
