@@ -47,6 +47,7 @@ def _convert(args) -> int:
 
 
 def _train(args) -> int:
+    from fiber_bundle.training.errors import TrainingStopped, describe
     from fiber_bundle.training.trainer import run_training
 
     try:
@@ -60,14 +61,35 @@ def _train(args) -> int:
             torsion_weight=args.torsion_weight, report_to=args.report_to,
             **({"save_strategy": "steps", "save_steps": args.save_steps} if args.save_steps else {}),
             resume_from_checkpoint=True if args.resume else None, base_model_id=args.base_model_id,
+            overwrite=args.overwrite,
         )
-    except (ValueError, OSError) as error:
-        print(f"fiber-bundle train: error: {error}", file=sys.stderr)
-        return 1
+    except TrainingStopped as stop:  # SIGTERM: a checkpoint was saved; 128 + 15, as a process killed by SIGTERM
+        return _failed("train", stop, args.traceback, code=143, prefix="")
+    except KeyboardInterrupt as interrupt:
+        return _failed("train", interrupt, args.traceback, code=130, prefix="", message=(
+            "interrupted; OUTPUT holds no new model. Run the same command with --resume to continue from the newest "
+            "checkpoint in OUTPUT/checkpoints (if --save-steps kept one)."))
+    except Exception as error:  # one line, never a traceback unless --traceback
+        expected = isinstance(error, (ValueError, OSError))
+        return _failed("train", error, args.traceback, message=None if expected else (
+            f"{describe(error)} (run again with --traceback for the details)"))
     print(f"trained {result['steps']} steps ({result['mode']}) -> {result['output']}")
     if result["eval_loss_before"] is not None:
         print(f"  eval loss: {result['eval_loss_before']:.4f} -> {result['eval_loss_after']:.4f}")
     return 0
+
+
+def _failed(command: str, error: BaseException, traceback: bool, *, code: int = 1, prefix: str = "error: ",
+            message: str | None = None) -> int:
+    """Report a failure in one line on stderr (the traceback first when asked for) and return the exit code."""
+    if traceback:
+        import traceback as tb
+
+        tb.print_exception(error)
+    from tqdm.auto import tqdm
+
+    tqdm.write(f"fiber-bundle {command}: {prefix}{message or error}", file=sys.stderr)  # on its own line, under any bar
+    return code
 
 
 def _publish(args) -> int:
@@ -162,11 +184,17 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--torsion-weight", type=float, default=None, help="weight of the torsion regulariser")
     train.add_argument("--report-to", nargs="*", default=[], help="Trainer integrations to log to (e.g. tensorboard)")
     train.add_argument("--save-steps", type=int, default=0,
-                       help="write a checkpoint to OUTPUT/checkpoints every N steps (0: none)")
+                       help="write a checkpoint to OUTPUT/checkpoints every N steps (0: none; SIGTERM still saves one)")
     train.add_argument("--base-model-id", default=None,
                        help="--mode lora: Hub id of the base model, recorded in adapter_config.json")
     train.add_argument("--resume", action="store_true",
-                       help="resume from the last checkpoint in OUTPUT/checkpoints (a killed run continues exactly)")
+                       help="continue from the newest complete checkpoint in OUTPUT/checkpoints (a killed or preempted "
+                            "run continues exactly; with none yet, training starts from the beginning)")
+    train.add_argument("--overwrite", action="store_true",
+                       help="replace an OUTPUT that already holds a model or other files (once the new model is "
+                            "complete); without --resume, also start again over an earlier run's checkpoints")
+    train.add_argument("--traceback", action="store_true",
+                       help="print the full Python traceback of an error (for bug reports)")
     train.set_defaults(handler=_train)
 
     publish = commands.add_parser(

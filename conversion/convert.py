@@ -396,7 +396,7 @@ def convert_checkpoint(
         write_model_card(staging, config=config, source=str(source), family=src.family, report=report,
                          base_model=base_model or _hub_id(source, src), license=license or _source_license(src),
                          model_name=output.name)
-        _replace(staging, output)
+        replace_folder(staging, output)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)  # nothing half-written is left behind, whatever happened
         raise
@@ -560,8 +560,10 @@ def write_model_card(folder: Path, *, config, source: str, family: str, report: 
     card.save(folder / "README.md")
 
 
-def _replace(staging: Path, output: Path):
-    """Move the finished folder into place; an existing OUTPUT (with --overwrite) is removed only after that."""
+def replace_folder(staging: Path, output: Path):
+    """Move the finished folder ``staging`` into place at ``output`` (same file system); an existing ``output`` is
+    renamed aside to ``.{name}.replaced-{pid}`` first and removed only after that (training's write of its final model
+    uses this too)."""
     backup = None
     if output.exists():
         backup = output.parent / f".{output.name}.replaced-{os.getpid()}"

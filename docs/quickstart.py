@@ -87,7 +87,7 @@ def main() -> None:
     trained = args.out.parent / f"{args.out.name}-metric"
     started = time.perf_counter()
     result = run_training(args.out, trained, mode="metric-only", block_size=256, max_steps=args.train_steps,
-                          learning_rate=args.learning_rate, batch_size=8, seed=0, quiet=True)
+                          learning_rate=args.learning_rate, batch_size=8, seed=0, quiet=True, overwrite=args.overwrite)
     print(f"metric-only fine-tuning, {result['steps']} steps of 8 x 256 tokens of pydoc topics "
           f"({time.perf_counter() - started:.0f} s):")
     print(f"  held-out eval loss {result['eval_loss_before']:.4f} -> {result['eval_loss_after']:.4f}")

@@ -244,7 +244,8 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path, monkeypatch, mode, opt
 @pytest.mark.heavy
 def test_two_process_ddp_matches_one_process(tmp_path):
     """torchrun --standalone --nproc_per_node 2 with use_cpu=True (gloo): world size 2, identical parameters on both
-    ranks, and the result of one process with the same global batch (every step sees the whole 8-block dataset)."""
+    ranks, and the result of one process with the same global batch (every step sees the whole 8-block dataset); the
+    staged checkpoints hold both ranks' RNG states."""
     import json
     import shutil
     import subprocess
@@ -265,6 +266,10 @@ def test_two_process_ddp_matches_one_process(tmp_path):
     assert runs["ddp"]["world_size"] == 2 and "DISTRIBUTED" in runs["ddp"]["parallel_mode"]
     assert runs["ddp"]["checksums"][0] == runs["ddp"]["checksums"][1]  # the ranks hold identical parameters
     assert runs["single"]["world_size"] == 1
+    for step in (2, 4):  # written by both processes into the staging folder, renamed into place when complete
+        files = {p.name for p in (tmp_path / "ddp" / "run" / f"checkpoint-{step}").iterdir()}
+        assert {"rng_state_0.pth", "rng_state_1.pth", "trainer_state.json", "optimizer.pt"} <= files
+    assert not (tmp_path / "ddp" / "run" / ".staging").exists()
     ddp, single = torch.load(tmp_path / "ddp" / "weights.pt"), torch.load(tmp_path / "single" / "weights.pt")
     for name, value in single.items():
         torch.testing.assert_close(ddp[name], value, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
@@ -320,7 +325,8 @@ def test_train_command_checkpoints_and_resumes(tmp_path):
             "--batch-size", "4", "--save-steps", "3"]
     assert main(args + ["--max-steps", "3"]) == 0
     assert (tmp_path / "out" / "checkpoints" / "checkpoint-3").is_dir()
-    assert main(args + ["--max-steps", "6", "--resume"]) == 0  # continues from step 3
+    assert main(args + ["--max-steps", "6", "--resume"]) == 1  # OUTPUT holds the step-3 model: not replaced unasked
+    assert main(args + ["--max-steps", "6", "--resume", "--overwrite"]) == 0  # continues from step 3
     assert (tmp_path / "out" / "checkpoints" / "checkpoint-6").is_dir()
     metrics = __import__("json").loads((tmp_path / "out" / "training_metrics.json").read_text())
     assert metrics["steps"] == 6
@@ -370,7 +376,8 @@ def test_train_command_with_a_riemannian_optimizer(tmp_path, capsys):
     assert manifolds.orthonormality_error(start.code_proj.weight.T.double()) > 0.5  # it was not, before training
     assert fiber.attn_gate.abs().max() > 0
     capsys.readouterr()
-    assert main(args + ["--optimizer", "grassmann", "--block"]) == 1  # a head's W_U block is wider than tall here
+    fresh = args[:2] + [str(tmp_path / "fresh")] + args[3:]  # OUTPUT now holds a model, which is refused first
+    assert main(fresh + ["--optimizer", "grassmann", "--block"]) == 1  # a head's W_U block is wider than tall here
     assert "fewer rows than its rank" in capsys.readouterr().err
-    assert main(args + ["--block"]) == 1
+    assert main(fresh + ["--block"]) == 1
     assert "apply to a Riemannian optimizer" in capsys.readouterr().err

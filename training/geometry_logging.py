@@ -1,7 +1,8 @@
 """Geometry logged alongside the loss: per-layer gates, and the connection proxies on a fixed probe batch."""
 
 import torch
-from transformers import Trainer
+
+from .checkpoints import StagedCheckpointTrainer
 
 GATES = {"attn_gate": "alpha", "flatness_gate": "gamma", "ffn_gate": "beta"}
 
@@ -33,9 +34,10 @@ def probe_geometry(model, probe_ids: torch.Tensor) -> dict[str, float]:
     return {f"geometry/{key}": values.float().mean().item() for key, values in (geometry or {}).items()}
 
 
-class GeometryLoggingTrainer(Trainer):
+class GeometryLoggingTrainer(StagedCheckpointTrainer):
     """transformers' Trainer whose training logs also carry the geometry (``gate_values`` and ``probe_geometry`` on
-    ``probe_ids``), so every ``report_to`` integration and ``state.log_history`` see it next to the loss."""
+    ``probe_ids``), so every ``report_to`` integration and ``state.log_history`` see it next to the loss; its
+    checkpoints are complete or absent and it stops cleanly on SIGTERM (``checkpoints.StagedCheckpointTrainer``)."""
 
     def __init__(self, *args, probe_ids: torch.Tensor | None = None, **kwargs):
         super().__init__(*args, **kwargs)

@@ -14,6 +14,34 @@ TRAINING_MODES = ("full", "metric-only", "lora")
 LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
+NO_METRIC = "metric-only training needs a model with a metric (metric_rank or ffn_metric_rank > 0)"
+
+
+def mode_problem(mode: str, config) -> str | None:
+    """Why ``mode`` cannot train a model of ``config`` (read before any weight is loaded), or None: an unknown mode,
+    metric-only without a metric, or quantised weights where the mode trains them (full: every weight; metric-only and
+    LoRA: the ``fiber`` modules, unless the quantisation skipped them)."""
+    if mode not in TRAINING_MODES:
+        return f"training mode {mode!r} is not one of {TRAINING_MODES}"
+    if mode == "metric-only" and not (getattr(config, "metric_rank", 0) or getattr(config, "ffn_metric_rank", 0)):
+        return f"{NO_METRIC}; this model has none: use --mode full or lora, or convert its source with --metric-rank"
+    quantisation = getattr(config, "quantization_config", None)
+    if not quantisation:
+        return None
+    quantisation = quantisation if isinstance(quantisation, dict) else quantisation.to_dict()
+    method = quantisation.get("quant_method", "quantised")
+    skipped = quantisation.get("llm_int8_skip_modules") or quantisation.get("modules_to_not_convert") or []
+    if mode == "full":
+        return (f"the model's weights are quantised ({method}) and --mode full trains every weight, which needs "
+                "full-precision weights: train a full-precision copy (convert the unquantised source), or use --mode "
+                "lora on a quantisation that skips the fiber modules")
+    if not any("fiber" in name for name in skipped):
+        return (f"the model's weights are quantised ({method}) including its fiber (metric) modules, which --mode "
+                f"{mode} trains in full precision: quantise with the fiber modules skipped (llm_int8_skip_modules="
+                "['fiber']) or train a full-precision copy")
+    return None
+
+
 def prepare_for_training(model, mode: str, *, lora_r: int = 8, lora_alpha: int = 16, lora_dropout: float = 0.0):
     """Set what trains for ``mode``; returns the model to train (a PeftModel for ``lora``)."""
     if mode not in TRAINING_MODES:
@@ -25,7 +53,7 @@ def prepare_for_training(model, mode: str, *, lora_r: int = 8, lora_alpha: int =
     geometry = model.geometry_parameters() if hasattr(model, "geometry_parameters") else []  # a plain backbone: none
     if mode == "metric-only":
         if not geometry:
-            raise ValueError("metric-only training needs a model with a metric (metric_rank or ffn_metric_rank > 0).")
+            raise ValueError(f"{NO_METRIC}.")
         for p in model.parameters():
             p.requires_grad_(False)
         for p in geometry:

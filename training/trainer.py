@@ -8,6 +8,8 @@ import torch
 from transformers import TrainingArguments, default_data_collator, set_seed
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
+from .checkpoints import CHECKPOINTS
+from .errors import TrainingError, describe
 from .geometry_logging import GeometryLoggingTrainer
 from .modes import is_geometry_parameter, prepare_for_training
 
@@ -55,10 +57,13 @@ def train_model(
         retraction: "qr" or "polar", the retraction of the partial-isometry geometries.
         probe_ids: a small fixed batch on which the geometry proxies are logged with the loss (default: the first
             training block).
-        resume_from_checkpoint: True (the last checkpoint in ``output_dir``) or a checkpoint folder to resume from.
+        resume_from_checkpoint: True (the newest complete checkpoint in ``output_dir``; from the beginning, with a
+            warning, when there is none yet) or a checkpoint folder to resume from. Checkpoints are written into
+            ``output_dir/.staging`` and renamed into place when complete (``checkpoints.StagedCheckpointTrainer``).
         quiet: do not print log lines or a progress bar (``report_to`` integrations still receive every log).
         training_args: any further ``TrainingArguments`` field (report_to, save_steps, bf16, ...).
-    Returns the Trainer after training (its ``model`` is what was trained, a PeftModel in "lora" mode).
+    Returns the Trainer after training (its ``model`` is what was trained, a PeftModel in "lora" mode). On SIGTERM it
+    saves a checkpoint at the next step boundary and raises ``errors.TrainingStopped``.
     """
     set_seed(seed)  # why: LoRA's A matrices are drawn in prepare_for_training, before the Trainer seeds anything
     model = prepare_for_training(model, mode, lora_r=lora_r)
@@ -78,13 +83,9 @@ def train_model(
     if probe_ids is None and len(train_dataset):
         probe_ids = torch.tensor(train_dataset[:1]["input_ids"])
     optimizers = (None, None)
-    if optimizer == "adamw" and (block or riemannian_learning_rate is not None or retraction != "qr"):
-        raise ValueError("block, riemannian_learning_rate and retraction apply to a Riemannian optimizer, not to "
-                         "adamw.")
+    check_optimizer_options(optimizer, metric_learning_rate=metric_learning_rate, block=block,
+                            riemannian_learning_rate=riemannian_learning_rate, retraction=retraction)
     if optimizer != "adamw":
-        if metric_learning_rate is not None:
-            raise ValueError("metric_learning_rate applies to the AdamW optimiser; with a Riemannian optimizer the "
-                             "parameters outside the factored pairs use learning_rate.")
         from .riemannian import build_optimizer
 
         optimizers = (build_optimizer(model, optimizer, lr=learning_rate, riemannian_lr=riemannian_learning_rate,
@@ -99,6 +100,17 @@ def train_model(
             trainer.remove_callback(callback)
     trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     return trainer
+
+
+def check_optimizer_options(optimizer: str, *, metric_learning_rate=None, block=False, riemannian_learning_rate=None,
+                            retraction="qr") -> None:
+    """Refuse option combinations that cannot work (checked before any model is loaded)."""
+    if optimizer == "adamw" and (block or riemannian_learning_rate is not None or retraction != "qr"):
+        raise TrainingError("block, riemannian_learning_rate and retraction apply to a Riemannian optimizer, not to "
+                            "adamw.")
+    if optimizer != "adamw" and metric_learning_rate is not None:
+        raise TrainingError("metric_learning_rate applies to the AdamW optimiser; with a Riemannian optimizer the "
+                            "parameters outside the factored pairs use learning_rate.")
 
 
 def _two_rate_adamw(model, args: TrainingArguments, metric_learning_rate: float) -> torch.optim.AdamW:
@@ -147,6 +159,8 @@ def run_training(
     curvature_weight: float | None = None,
     torsion_weight: float | None = None,
     base_model_id: str | None = None,
+    resume_from_checkpoint: bool | str | None = None,
+    overwrite: bool = False,
     **training_args,
 ) -> dict:
     """Load a Fiber Bundle folder and its tokenizer, build packed datasets, train, and save the result to ``output``.
@@ -154,7 +168,8 @@ def run_training(
     Arguments:
         model_path: a Fiber Bundle folder (for example the output of ``fiber-bundle convert``).
         output: where the trained model (or, in "lora" mode, the adapter) and the tokenizer are saved; the Trainer's
-            checkpoints go to ``output/checkpoints``.
+            checkpoints go to ``output/checkpoints``. The model is written into a staging folder beside ``output``
+            and renamed into place when complete (``checkpoints.write_output``).
         data, eval_data: local files or a Hub dataset name (``training.data.load_source``); without ``data`` the
             standard library's pydoc topics are used, split by topic into train and eval.
         mode, block_size, max_steps, learning_rate, batch_size, seed, lora_r, metric_learning_rate, optimizer,
@@ -162,47 +177,77 @@ def run_training(
         curvature_weight, torsion_weight: geometry regulariser weights (default: the model config's).
         base_model_id: in "lora" mode, the Hub id of the base (the Fiber Bundle model the adapter applies to) recorded
             in adapter_config.json; default: ``model_path``.
+        resume_from_checkpoint: True: continue from the newest complete checkpoint in ``output/checkpoints`` (from
+            the beginning when there is none yet); or a checkpoint folder.
+        overwrite: replace an ``output`` that already holds a model or other files (only once the new model is
+            complete), and without ``resume_from_checkpoint`` start again over an earlier run's checkpoints.
     Returns eval loss before and after, the number of steps and the output folder.
+    Raises ``TrainingError`` (bad data, an existing ``output``, a mode this model cannot train, a full disk, ...)
+    before the model is loaded wherever the check does not need it, and ``TrainingStopped`` on SIGTERM.
     """
     from transformers import AutoTokenizer
 
-    from modeling_fiber_bundle import FiberBundleForCausalLM
+    from modeling_fiber_bundle import FiberBundleConfig, FiberBundleForCausalLM
 
-    from .data import load_source, pack_blocks, pydoc_topics
+    from .checkpoints import prepare_output, start_again, write_output
+    from .data import load_source, pydoc_topics, training_blocks
+    from .modes import mode_problem
 
-    model = FiberBundleForCausalLM.from_pretrained(model_path)
-    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=True)
-    for name, value in (("curvature_weight", curvature_weight), ("torsion_weight", torsion_weight)):
-        if value is not None:
-            setattr(model.config, name, value)
+    output = Path(output)
+    earlier_checkpoints = prepare_output(output, overwrite=overwrite, resume=bool(resume_from_checkpoint))
+    try:
+        config = FiberBundleConfig.from_pretrained(model_path)
+        tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=True)
+    except Exception as error:
+        raise TrainingError(f"could not read MODEL {model_path} ({describe(error)}); pass a Fiber Bundle folder, e.g. "
+                            "the output of fiber-bundle convert.") from error
+    problem = mode_problem(mode, config)
+    if problem:
+        raise TrainingError(f"{problem}.")
+    check_optimizer_options(optimizer, metric_learning_rate=metric_learning_rate, block=block,
+                            riemannian_learning_rate=riemannian_learning_rate, retraction=retraction)
     if data is None:
         train_text, eval_text = pydoc_topics(seed=seed)
+        train_name, eval_name = "the training data (Python's pydoc topics)", "the eval data (held-out pydoc topics)"
     else:
         train_text = load_source(data)
         eval_text = load_source(eval_data) if eval_data is not None else None
-    train_set = pack_blocks(train_text, tokenizer, block_size)
-    eval_set = pack_blocks(eval_text, tokenizer, block_size) if eval_text is not None else None
-    if len(train_set) == 0:
-        raise ValueError(f"the training data holds fewer than block_size={block_size} tokens.")
+        train_name, eval_name = f"training data {_named(data)}", f"eval data {_named(eval_data)}"
+    train_set = training_blocks(train_text, tokenizer, block_size, name=train_name)
+    eval_set = training_blocks(eval_text, tokenizer, block_size, name=eval_name) if eval_text is not None else None
+
+    model = FiberBundleForCausalLM.from_pretrained(model_path)
+    if earlier_checkpoints:  # every check has passed: only now are they removed
+        start_again(output)
+    for name, value in (("curvature_weight", curvature_weight), ("torsion_weight", torsion_weight)):
+        if value is not None:
+            setattr(model.config, name, value)
     before = evaluation_loss(model, eval_set, batch_size) if eval_set is not None else None
-    output = Path(output)
-    trainer = train_model(model, train_set, output / "checkpoints", mode=mode, eval_dataset=eval_set,
+    trainer = train_model(model, train_set, output / CHECKPOINTS, mode=mode, eval_dataset=eval_set,
                           max_steps=max_steps, learning_rate=learning_rate, batch_size=batch_size, seed=seed,
                           lora_r=lora_r, metric_learning_rate=metric_learning_rate, optimizer=optimizer,
                           riemannian_learning_rate=riemannian_learning_rate, block=block, retraction=retraction,
-                          **training_args)
+                          resume_from_checkpoint=resume_from_checkpoint, **training_args)
     after = evaluation_loss(trainer.model, eval_set, batch_size) if eval_set is not None else None
     if mode == "lora" and base_model_id:  # an adapter published on the Hub must name its base by Hub id
         for peft_config in trainer.model.peft_config.values():
             peft_config.base_model_name_or_path = base_model_id
-    trainer.model.save_pretrained(output)
-    tokenizer.save_pretrained(output)
-    for name in ("README.md", "conversion_report.json"):  # the card and parity report travel with the model
-        if (Path(model_path) / name).is_file() and not (output / name).exists():
-            shutil.copyfile(Path(model_path) / name, output / name)
     result = {"mode": mode, "steps": trainer.state.global_step, "eval_loss_before": before, "eval_loss_after": after,
               "block_size": block_size, "learning_rate": learning_rate, "batch_size": batch_size, "seed": seed,
               "optimizer": optimizer, **({"riemannian_learning_rate": riemannian_learning_rate or learning_rate,
                                           "block": block, "retraction": retraction} if optimizer != "adamw" else {})}
-    (output / "training_metrics.json").write_text(json.dumps(result, indent=2) + "\n")
+
+    def write(folder: Path):
+        trainer.model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        for name in ("README.md", "conversion_report.json"):  # the card and parity report travel with the model
+            if (Path(model_path) / name).is_file() and not (folder / name).exists():
+                shutil.copyfile(Path(model_path) / name, folder / name)
+        (folder / "training_metrics.json").write_text(json.dumps(result, indent=2) + "\n")
+
+    write_output(output, write)
     return {**result, "output": str(output)}
+
+
+def _named(source) -> str:
+    return ", ".join(map(str, source)) if isinstance(source, (list, tuple)) else str(source)
