@@ -116,3 +116,28 @@ def test_smollm2_analysis_reads_the_graft_and_a_learned_metric(gguf, converted):
     learned = probes.intrinsic_rank(graft, ids)
     assert learned["summary"]["score_numerical_rank"]["min"] > 65
     assert learned["summary"]["heads_above_gram_bound"] == 270
+
+
+def test_smollm2_training_stopped_by_sigterm_resumes_exactly(converted, tmp_path):
+    """Issue 16 on the real checkpoint: `fiber-bundle train` (metric-only) stopped by SIGTERM saves a checkpoint and
+    exits 143; the same command then ends with the weights of an uninterrupted run, bit for bit."""
+    from test_training_faults import message_of, run_child, train_text
+
+    data = train_text(tmp_path, words=600)
+    argv = lambda out: ["train", converted, out, "--data", data, "--mode", "metric-only", "--block-size", "32",  # noqa: E731
+                        "--batch-size", "1", "--max-steps", "3", "--learning-rate", "0.02", "--resume"]
+    whole = run_child(argv(tmp_path / "whole"), tmp_path)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    stopped = run_child(argv(tmp_path / "out"), tmp_path, hold="sigterm:1")
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    assert "stopped by SIGTERM at step 2 of 3" in message_of(stopped.stderr)
+    assert not (tmp_path / "out" / "config.json").exists()  # no model until the run completes
+    resumed = run_child(argv(tmp_path / "out"), tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    from safetensors.torch import load_file
+
+    got, want = load_file(tmp_path / "out" / "model.safetensors"), load_file(tmp_path / "whole" / "model.safetensors")
+    start = load_file(next(converted.glob("*.safetensors")))
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert any(not torch.equal(want[k], start[k]) for k in want if ".fiber." in k)  # the metric trained
