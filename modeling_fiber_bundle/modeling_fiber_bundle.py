@@ -39,7 +39,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
 
-from .configuration_fiber_bundle import ROPE_TYPES, FiberBundleConfig
+from .configuration_fiber_bundle import FiberBundleConfig
 from .fiber_attention import (
     anisotropy,
     apply_rotary,
@@ -113,12 +113,7 @@ class FiberBundleRotaryEmbedding(nn.Module):
         self.max_seq_len_cached = config.max_position_embeddings  # read and updated by dynamic_rope_update
         self.original_max_seq_len = config.max_position_embeddings
         self.config = config
-        self.rope_type = config.rope_parameters.get("rope_type", "default")
-        if self.rope_type not in ROPE_TYPES:
-            raise ValueError(
-                f"rope_parameters['rope_type']={self.rope_type!r} is not supported by Fiber Bundle models; "
-                f"supported: {ROPE_TYPES}."
-            )
+        self.rope_type = config.rope_parameters.get("rope_type", "default")  # one of ROPE_TYPES (the config checks)
         rope_init_fn: Callable = self.compute_default_rope_parameters
         if self.rope_type != "default":
             rope_init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
@@ -133,10 +128,13 @@ class FiberBundleRotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         return inv_freq, 1.0
 
+    def _angles(self, x, position_ids):
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+        return torch.cat((freqs, freqs), dim=-1)  # (B, n, d), float32
+
     @dynamic_rope_update  # dynamic and longrope types update inv_freq (and attention_scaling) from the positions
     def forward(self, x, position_ids):
-        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
-        emb = torch.cat((freqs, freqs), dim=-1)
+        emb = self._angles(x, position_ids)
         cos = emb.cos() * self.attention_scaling
         sin = emb.sin() * self.attention_scaling
         return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
@@ -145,8 +143,7 @@ class FiberBundleRotaryEmbedding(nn.Module):
         """cos, sin (B, n, d) of the pure rotation, in at least float32, for the metric factors. Call after ``forward``
         (which updates a dynamic type's frequencies). Why not forward's: its ``attention_scaling`` (YaRN, longrope)
         would scale the factors past spectral norm 1, and in bf16 its rounded cos/sin are no rotation."""
-        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
-        emb = torch.cat((freqs, freqs), dim=-1)
+        emb = self._angles(x, position_ids)
         dtype = compute_dtype(x.dtype)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -618,7 +615,9 @@ class FiberBundleModel(FiberBundlePreTrainedModel):
 
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
-        factor_rotation = self.rotary_emb.factor_rotation(hidden_states, position_ids)
+        factor_rotation = None  # only geodesic layers turn metric factors
+        if self.config.metric_rank > 0:
+            factor_rotation = self.rotary_emb.factor_rotation(hidden_states, position_ids)
         all_hidden_states = (hidden_states,) if output_hidden_states else None
         all_attentions = () if output_attentions else None
         geometry = {key: [] for key in GEOMETRY_KEYS} if output_geometry else None
