@@ -23,8 +23,9 @@ the query heads of a KV group g sharing its key factor. Two are not exact matrix
 approximately there; the optimiser still follows the geometry of the factors themselves.
 """
 
+from typing import NamedTuple
+
 import torch
-from torch.optim.adamw import adamw  # the functional form of torch.optim.AdamW (its update, not a copy)
 
 from . import manifolds as mf
 
@@ -36,33 +37,67 @@ OPTIMIZERS = ("adamw",) + GEOMETRIES  # the choices of ``fiber-bundle train --op
 # ----------------------------------------------------------------------------------------------------------------------
 # factors as slices of stored tensors
 # ----------------------------------------------------------------------------------------------------------------------
-# A slice is (index of the tensor in the group's params, dim, start, length, transposed): the tall-form view
-# tensor.narrow(dim, start, length), transposed when the tensor stores the factor's transpose. A factor is a tuple of
-# slices stacked row-wise; a pair is (left factors, right factors).
+class FactorSlice(NamedTuple):
+    """A piece of a factor: the tall-form view ``params[index].narrow(dim, start, length)`` of one of the group's
+    tensors, transposed when the tensor stores the factor's transpose (LoRA's A, a row block of ``q_proj.weight``)."""
+
+    index: int  # of the tensor in the group's "params"
+    dim: int
+    start: int
+    length: int
+    transposed: bool
+
+
+Factor = tuple[FactorSlice, ...]  # a factor: its slices stacked row-wise
+
+
+class FactoredPair(NamedTuple):
+    """X = L R^T: the left factors L_1, ... and the right factors R_1, ... (several on one side: the block variants,
+    in which they share the other side's factor)."""
+
+    lefts: tuple[Factor, ...]
+    rights: tuple[Factor, ...]
 
 
 def tensor_slice(index: int, tensor: torch.Tensor, *, dim: int = 0, start: int = 0, length: int | None = None,
-                 transposed: bool = False) -> tuple:
-    return (index, dim, start, tensor.shape[dim] - start if length is None else length, transposed)
+                 transposed: bool = False) -> FactorSlice:
+    """The slice of ``tensor`` (the group's tensor ``index``) from ``start`` along ``dim`` (to the end by default)."""
+    return FactorSlice(index, dim, start, tensor.shape[dim] - start if length is None else length, transposed)
 
 
-def whole_pair(left: torch.Tensor, right: torch.Tensor, transposed=(False, False)) -> tuple:
+def whole_pair(left: torch.Tensor, right: torch.Tensor, transposed=(False, False)) -> FactoredPair:
     """The pair (left, right) of a group whose params are [left, right], each one whole factor."""
-    return (((tensor_slice(0, left, transposed=transposed[0]),),),
-            ((tensor_slice(1, right, transposed=transposed[1]),),))
+    return FactoredPair(((tensor_slice(0, left, transposed=transposed[0]),),),
+                        ((tensor_slice(1, right, transposed=transposed[1]),),))
 
 
-def _view(tensor: torch.Tensor, piece: tuple) -> torch.Tensor:
-    _, dim, start, length, transposed = piece
-    view = tensor.narrow(dim, start, length)
-    return view.transpose(0, 1) if transposed else view
+def as_pair(pair) -> FactoredPair:
+    """A pair given as nested tuples ``(left factors, right factors)``, each factor a tuple of slices, as records."""
+    try:
+        lefts, rights = pair
+        return FactoredPair(*(tuple(tuple(FactorSlice(*piece) for piece in factor) for factor in side)
+                              for side in (lefts, rights)))
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"a pair is (left factors, right factors), each factor a tuple of slices (index, dim, start, "
+                         f"length, transposed) made by tensor_slice; got {pair!r} ({error}).") from None
 
 
-def _read(params, factor, grad: bool = False) -> torch.Tensor:
+def _plain(pairs) -> list:
+    """The pairs as nested plain tuples (what ``state_dict`` saves: see ``FactoredRiemannianOptimizer.state_dict``)."""
+    return [tuple(tuple(tuple(tuple(piece) for piece in factor) for factor in side) for side in pair)
+            for pair in pairs]
+
+
+def _view(tensor: torch.Tensor, piece: FactorSlice) -> torch.Tensor:
+    view = tensor.narrow(piece.dim, piece.start, piece.length)
+    return view.transpose(0, 1) if piece.transposed else view
+
+
+def _read(params, factor: Factor, grad: bool = False) -> torch.Tensor:
     """A factor (or its gradient) in tall form, float64: its slices stacked row-wise."""
     parts = []
     for piece in factor:
-        tensor = params[piece[0]]
+        tensor = params[piece.index]
         if grad:
             parts.append(torch.zeros_like(_view(tensor, piece), dtype=torch.float64) if tensor.grad is None
                          else _view(tensor.grad, piece).to(torch.float64))
@@ -71,16 +106,16 @@ def _read(params, factor, grad: bool = False) -> torch.Tensor:
     return torch.cat(parts, dim=0)
 
 
-def _write(params, factor, value: torch.Tensor) -> None:
+def _write(params, factor: Factor, value: torch.Tensor) -> None:
     row = 0
     for piece in factor:
-        view = _view(params[piece[0]], piece)
+        view = _view(params[piece.index], piece)
         view.copy_(value[row : row + view.shape[0]].to(view.dtype))
         row += view.shape[0]
 
 
 @torch.no_grad()
-def _orthonormalize(params, factor) -> None:
+def _orthonormalize(params, factor: Factor) -> None:
     """Replace a factor in place by the Q of its QR decomposition (columns of the tall form orthonormal)."""
     _write(params, factor, mf.qr_retract(_read(params, factor)))
 
@@ -102,17 +137,21 @@ class FactoredRiemannianOptimizer(torch.optim.Optimizer):
     """Riemannian gradient descent with momentum on factored pairs.
 
     Arguments:
-        groups: parameter-group dicts: ``{"params": [tensors], "pairs": [(left factors, right factors), ...]}`` (see
-            ``tensor_slice``; ``factored_groups`` builds them for a model), or the short form of one whole pair
-            ``{"params": [left, right], "transposed": (bool, bool)}``, or ``{"params": [...], "geometry": "adamw"}``
-            for parameters that are not factored (torch's AdamW update, with ``betas`` / ``eps`` if given). Any
-            default below may be overridden per group; extra keys (a ``name``) are kept.
+        groups: parameter-group dicts: ``{"params": [tensors], "pairs": [FactoredPair, ...]}`` (see ``tensor_slice``;
+            a pair may also be given as the tuple (left factors, right factors); ``factored_groups`` builds them for a
+            model), or the short form of one whole pair ``{"params": [left, right], "transposed": (bool, bool)}``, or
+            ``{"params": [...], "geometry": "adamw"}`` for parameters that are not factored (stepped by a
+            ``torch.optim.AdamW``, with ``betas`` / ``eps`` if given). Any default below may be overridden per group;
+            extra keys (a ``name``) are kept.
         geometry: one of ``GEOMETRIES``.
         lr: step size; momentum: heavy-ball coefficient (0 disables it); weight_decay: decoupled, fixed-rank only.
         retraction: "qr" or "polar" (partial isometries).
         damping: relative regularisation of the quotient geometry's Gram inverses.
     The computation runs in float64 (factors are small); state (momentum) is kept in the parameters' dtype, as
-    ``load_state_dict`` restores it, so a resumed run continues exactly. A group's state lives under its first tensor.
+    ``load_state_dict`` restores it, so a resumed run continues exactly. A group's state lives under its first tensor;
+    an "adamw" group's AdamW state (step, exp_avg, exp_avg_sq) under each of its tensors, in this optimiser's own
+    ``state``, so ``state_dict`` / ``load_state_dict`` save and restore it with the rest (and the group's ``lr``, which
+    a learning-rate scheduler sets, is the one AdamW steps with).
     """
 
     def __init__(self, groups, geometry: str = "riemannian-quotient", lr: float = 1e-3, momentum: float = 0.9,
@@ -126,10 +165,34 @@ class FactoredRiemannianOptimizer(torch.optim.Optimizer):
                              f"(got {lr}, {momentum}, {weight_decay}).")
         defaults = dict(geometry=geometry, lr=lr, momentum=momentum, weight_decay=weight_decay, retraction=retraction,
                         damping=damping)
-        groups = [_with_pairs(dict(group)) for group in groups]  # why: torch fills defaults into the group dicts
-        super().__init__(groups, defaults)
-        for group in self.param_groups:
-            self._check_group(group)
+        self._adamw = {}  # position in param_groups -> torch's AdamW over that "adamw" group's tensors
+        super().__init__([dict(group) for group in groups], defaults)  # why copies: torch fills defaults into them
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(_with_pairs(param_group))
+        group = self.param_groups[-1]
+        self._check_group(group)
+        if group["geometry"] == "adamw" and group["params"]:
+            self._adamw[len(self.param_groups) - 1] = _new_adamw(group)
+
+    def __setstate__(self, state):  # load_state_dict, copy.deepcopy and unpickling pass here
+        super().__setstate__(state)
+        self._adamw = {i: _new_adamw(group) for i, group in enumerate(self.param_groups)
+                       if group["geometry"] == "adamw" and group["params"]}
+
+    def state_dict(self):
+        """torch's state dict, its pairs as plain tuples. Why: the Trainer reloads ``optimizer.pt`` with
+        ``torch.load(weights_only=True)``, which accepts builtin types only (no ``FactoredPair``)."""
+        state = super().state_dict()
+        state["param_groups"] = [{**group, "pairs": _plain(group["pairs"])} if "pairs" in group else group
+                                 for group in state["param_groups"]]
+        return state
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:  # torch takes the saved groups' keys: the pairs come back as plain tuples
+            if "pairs" in group:
+                group["pairs"] = [as_pair(pair) for pair in group["pairs"]]
 
     def _check_group(self, group):
         if group["geometry"] == "adamw":  # the parameters that are not factored pairs: torch's AdamW, unchanged
@@ -143,9 +206,9 @@ class FactoredRiemannianOptimizer(torch.optim.Optimizer):
             ranks = set()
             for factor in lefts + rights:
                 for piece in factor:
-                    if not 0 <= piece[0] < len(params) or params[piece[0]].dim() != 2:
+                    if not 0 <= piece.index < len(params) or params[piece.index].dim() != 2:
                         raise ValueError(f"{label}: slice {piece} does not name a matrix of the group's params.")
-                    ranks.add(_view(params[piece[0]], piece).shape[1])
+                    ranks.add(_view(params[piece.index], piece).shape[1])
             if len(ranks) != 1:
                 raise ValueError(f"{label}: factors must share their rank dimension (tall-form column counts "
                                  f"{sorted(ranks)}; check `transposed`).")
@@ -169,9 +232,10 @@ class FactoredRiemannianOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
+        for position, group in enumerate(self.param_groups):
             if group["geometry"] == "adamw":
-                self._adamw_step(group)
+                if position in self._adamw:
+                    self._adamw_step(self._adamw[position], group)
                 continue
             params = group["params"]
             if all(p.grad is None for p in params):
@@ -197,20 +261,13 @@ class FactoredRiemannianOptimizer(torch.optim.Optimizer):
                     _write(params, factor, value)
         return loss
 
-    def _adamw_step(self, group):
-        params = [p for p in group["params"] if p.grad is not None]
-        for p in params:
-            state = self.state[p]
-            if "step" not in state:
-                state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(p),
-                             exp_avg_sq=torch.zeros_like(p))
-        beta1, beta2 = group.get("betas", (0.9, 0.999))
-        adamw(
-            params, [p.grad for p in params], [self.state[p]["exp_avg"] for p in params],
-            [self.state[p]["exp_avg_sq"] for p in params], [], [self.state[p]["step"] for p in params],
-            amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
-            eps=group.get("eps", 1e-8), maximize=False,
-        )
+    def _adamw_step(self, adamw: torch.optim.AdamW, group: dict) -> None:
+        """torch's AdamW step on an "adamw" group, with the group's current hyperparameters and this optimiser's
+        state. Why reassign both at every step: a scheduler sets the group's ``lr``, and ``load_state_dict`` replaces
+        ``self.state`` and the group dicts."""
+        adamw.state = self.state
+        adamw.param_groups[0].update(_adamw_options(group))
+        adamw.step()
 
     @staticmethod
     def _heavy_ball(group, state, key, direction):
@@ -273,7 +330,8 @@ def _check_tall(factor: torch.Tensor, geometry: str, label: str) -> None:
 
 
 def _with_pairs(group: dict) -> dict:
-    """The short form {"params": [left, right], "transposed": ...} of one whole pair, in the general form."""
+    """A group in the general form: its pairs as ``FactoredPair`` records, the short form {"params": [left, right],
+    "transposed": ...} of one whole pair expanded."""
     if group.get("geometry") == "adamw":
         return group
     group["params"] = list(group["params"])
@@ -282,7 +340,18 @@ def _with_pairs(group: dict) -> dict:
             raise ValueError(f"a group without 'pairs' is one factored pair of exactly two tensors (left, right), got "
                              f"{len(group['params'])}.")
         group["pairs"] = [whole_pair(*group["params"], group.pop("transposed", (False, False)))]
+    group["pairs"] = [as_pair(pair) for pair in group["pairs"]]
     return group
+
+
+def _new_adamw(group: dict) -> torch.optim.AdamW:
+    return torch.optim.AdamW(group["params"], **_adamw_options(group))
+
+
+def _adamw_options(group: dict) -> dict:
+    """The hyperparameters of torch's AdamW for an "adamw" group (torch's defaults where the group has none)."""
+    return dict(lr=group["lr"], betas=tuple(group.get("betas", (0.9, 0.999))), eps=group.get("eps", 1e-8),
+                weight_decay=group["weight_decay"])
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -298,7 +367,7 @@ def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def _blocks(index, tensor, dim, count, size, transposed) -> tuple:
+def _blocks(index, tensor, dim, count, size, transposed) -> tuple[Factor, ...]:
     if tensor.shape[dim] != count * size:
         raise ValueError(f"cannot split a dimension of {tensor.shape[dim]} into {count} heads of {size}.")
     return tuple((tensor_slice(index, tensor, dim=dim, start=h * size, length=size, transposed=transposed),)
@@ -325,7 +394,7 @@ def lora_groups(model, *, block: bool = False, adapter: str = "default") -> list
                 lefts = _blocks(0, b, 0, heads, _head_dim(config), False)
             else:
                 rights = _blocks(1, a, 1, heads, _head_dim(config), True)
-        groups.append({"params": [b, a], "pairs": [(lefts, rights)], "name": name, "kind": "lora"})
+        groups.append({"params": [b, a], "pairs": [FactoredPair(lefts, rights)], "name": name, "kind": "lora"})
     return groups
 
 
@@ -349,7 +418,7 @@ def metric_groups(model, *, block: bool = False) -> list[dict]:
                          for i, (w, heads) in enumerate(generators, start=1)), ())
         else:
             lefts = (tuple(tensor_slice(i, w) for i, (w, _) in enumerate(generators, start=1)),)
-        groups.append({"params": params, "pairs": [(lefts, rights)], "name": name, "kind": "metric"})
+        groups.append({"params": params, "pairs": [FactoredPair(lefts, rights)], "name": name, "kind": "metric"})
     return groups
 
 
@@ -373,7 +442,7 @@ def attention_groups(model, *, block: bool = False) -> list[dict]:
         for g in range(kv):
             mine = queries[g * per_group : (g + 1) * per_group]  # repeat_kv order: head h reads KV head h // per_group
             lefts = mine if block else (tuple(piece for factor in mine for piece in factor),)
-            pairs.append((lefts, (keys[g],)))
+            pairs.append(FactoredPair(lefts, (keys[g],)))
         groups.append({"params": [q.weight, k.weight], "pairs": pairs, "name": name, "kind": "attention"})
     return groups
 
