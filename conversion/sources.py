@@ -41,7 +41,7 @@ class Location:
     hub_id: str | None = None
 
 
-def locate(source: "str | Path | Location", *, gguf_file: str | None = None, allow_pickle: bool = False) -> Location:
+def locate(source: str | Path | Location, *, gguf_file: str | None = None, allow_pickle: bool = False) -> Location:
     """Resolve SOURCE: a local folder, a .gguf file (or folder + ``gguf_file``), or a Hub model id OWNER/NAME
     (downloaded through huggingface_hub's cache, which also serves it offline once cached; with ``allow_pickle`` its
     pickled .bin weights too). Raises ``SourceNotFoundError`` naming what SOURCE should be."""
@@ -85,7 +85,7 @@ def fiber_class(head: str) -> type[FiberBundlePreTrainedModel]:
 # ----------------------------------------------------------------------------------------------------------------------
 # Whole models and tokenizers
 # ----------------------------------------------------------------------------------------------------------------------
-def load_model(source: "str | Path | Location", *, gguf_file: str | None = None, head: str = "ForCausalLM",
+def load_model(source: str | Path | Location, *, gguf_file: str | None = None, head: str = "ForCausalLM",
                dtype: torch.dtype = torch.float32, attn_implementation: str | None = None):
     """The model at SOURCE (see ``locate``) with the ``head`` ("ForCausalLM", "ForSequenceClassification", ...), in
     eval mode: a Fiber Bundle folder loads as its Fiber Bundle class, any other checkpoint with transformers' own
@@ -112,7 +112,7 @@ def _plain_copy(model):
     return plain
 
 
-def load_tokenizer(source: "str | Path | Location", *, gguf_file: str | None = None):
+def load_tokenizer(source: str | Path | Location, *, gguf_file: str | None = None):
     """The tokenizer at SOURCE (see ``locate``): a GGUF's own, or the folder's (a Fiber Bundle folder's with
     ``trust_remote_code``, as a Hub user loads it)."""
     where = locate(source, gguf_file=gguf_file)
@@ -212,7 +212,7 @@ def _gguf_source(where: Location) -> Source:
     return Source(config, *_architecture(config), where, [lambda: iter(state.items())], [size])
 
 
-def open_source(source: "str | Path | Location", *, gguf_file: str | None = None, allow_pickle: bool = False) -> Source:
+def open_source(source: str | Path | Location, *, gguf_file: str | None = None, allow_pickle: bool = False) -> Source:
     """SOURCE (see ``locate``) as conversion reads it: its config, family and head, and one reader per shard."""
     where = locate(source, gguf_file=gguf_file, allow_pickle=allow_pickle)
     return _gguf_source(where) if where.gguf_file is not None else _folder_source(where, allow_pickle)

@@ -39,7 +39,8 @@ def transformers_range() -> str:
 
 
 def card_license(folder: str | Path) -> str | None:
-    """The license that the model card (README.md) in ``folder`` declares, if any (a conversion carries its source's)."""
+    """The license that the model card (README.md) in ``folder`` declares, if any (a conversion carries its
+    source's)."""
     from huggingface_hub import ModelCard
 
     card = Path(folder) / "README.md"
