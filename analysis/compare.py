@@ -94,7 +94,6 @@ def run_compare(
     """
     from tqdm.auto import tqdm
 
-    from fiber_bundle.conversion.convert import init_geometry
     from fiber_bundle.training.geometry_logging import probe_geometry
     from fiber_bundle.training.trainer import evaluation_loss, train_model
 
@@ -124,7 +123,7 @@ def run_compare(
         model_path = source if arm == "lora-source" else converted
         model, _ = load_causal_lm(model_path, gguf_file=gguf_file if arm == "lora-source" else None)
         if arm != "lora-source":  # the metric's random generators drawn with this run's seed (gates stay at 0)
-            init_geometry(model, seed)
+            model.init_geometry(seed)
         if arm not in before_cache:
             before_cache[arm] = evaluation_loss(model, eval_set, batch_size)
         if arm == "metric-only":

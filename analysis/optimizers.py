@@ -74,7 +74,6 @@ def run_optimizer_comparison(
     """
     from tqdm.auto import tqdm
 
-    from fiber_bundle.conversion.convert import init_geometry
     from fiber_bundle.training.riemannian import OPTIMIZERS
     from fiber_bundle.training.trainer import evaluation_loss, train_model
 
@@ -106,7 +105,7 @@ def run_optimizer_comparison(
             if (done["optimizer"], done["learning_rate"], done["seed"]) == (name, lr, seed):
                 return done
         model, _ = load_causal_lm(converted)
-        init_geometry(model, seed)
+        model.init_geometry(seed)
         kwargs = dict(learning_rate=lr) if name == "adamw" else dict(
             learning_rate=adamw_lr, optimizer=name, riemannian_learning_rate=lr, block=block)
         with tempfile.TemporaryDirectory() as scratch:

@@ -19,16 +19,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import AutoConfig
 from tqdm.auto import tqdm
-from transformers.dynamic_module_utils import get_relative_import_files
 
+from fiber_bundle.model_cards import card_license, write_card
 from modeling_fiber_bundle import FiberBundleConfig, FiberBundlePreTrainedModel
 from modeling_fiber_bundle import modeling_fiber_bundle as modeling
 
-from .weight_maps import LAYER_PATTERN, SUPPORTED_ARCHITECTURES, WEIGHT_MAPS, weight_map
+from .hub import write_config_and_code
+from .sources import ConversionError, Source, fiber_class, load_tokenizer, open_source
+from .weight_maps import LAYER_PATTERN, weight_map
 
 # Configuration fields copied from the source config as they are (same names in every supported family).
 SOURCE_FIELDS = (
@@ -49,134 +49,12 @@ TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
     "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json", "generation_config.json",
 )
-# The model card's pipeline tag, by the Auto class that loads the converted model.
-PIPELINE_TAGS = {"AutoModelForCausalLM": "text-generation", "AutoModelForSequenceClassification": "text-classification"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class ConversionError(RuntimeError):
-    """A conversion that cannot proceed; the message names the problem and the fix."""
-
-
-@dataclass
-class Source:
-    """A checkpoint to convert: its transformers config, its family and head (``weight_maps.SUPPORTED_ARCHITECTURES``),
-    and its tensors as a list of shard readers."""
-
-    config: object
-    family: str
-    head: str
-    folder: Path | None  # where tokenizer files live (None for an in-memory source)
-    shards: list  # callables, each returning an iterator of (name, tensor) for one shard
-    shard_bytes: list[int]
-    gguf: tuple[Path, str] | None = None
-
-
 # ----------------------------------------------------------------------------------------------------------------------
-# Reading sources
+# Config, new parameters, writing (sources are read by ``sources.open_source``)
 # ----------------------------------------------------------------------------------------------------------------------
-def _architecture(config) -> tuple[str, str]:
-    """(family, head) of the source class the config declares; a config that declares none is a causal LM."""
-    architectures = list(getattr(config, "architectures", None) or [])
-    supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
-    for name in architectures:
-        if name in SUPPORTED_ARCHITECTURES:
-            return SUPPORTED_ARCHITECTURES[name]
-    if not architectures and config.model_type in WEIGHT_MAPS:
-        return config.model_type, "ForCausalLM"
-    found = ", ".join(architectures) or f"model_type {config.model_type!r}"
-    raise ConversionError(f"unsupported architecture: {found}. Supported: {supported}.")
-
-
-def _safetensors_reader(path: Path):
-    def read():
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
-
-    return read
-
-
-def _pickle_reader(path: Path):
-    def read():
-        state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
-        yield from state.items()
-
-    return read
-
-
-def _folder_source(folder: Path, allow_pickle: bool) -> Source:
-    if not (folder / "config.json").is_file():
-        raise ConversionError(f"{folder} has no config.json: SOURCE must be a transformers checkpoint folder, a Hub "
-                              "model id or a .gguf file.")
-    config = AutoConfig.from_pretrained(folder)
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        files = list(dict.fromkeys(json.loads(index.read_text())["weight_map"].values()))
-        paths = [folder / name for name in files]
-        readers = [_safetensors_reader(p) for p in paths]
-    elif (folder / "model.safetensors").is_file():
-        paths = [folder / "model.safetensors"]
-        readers = [_safetensors_reader(paths[0])]
-    else:
-        paths = sorted(folder.glob("pytorch_model*.bin"))
-        if not paths:
-            raise ConversionError(f"{folder} holds no weights (model.safetensors, its index, or pytorch_model*.bin).")
-        if not allow_pickle:
-            raise ConversionError(f"{folder} holds only pickled .bin weights; pass --allow-pickle to load them "
-                                  "(with torch.load(weights_only=True)) or convert the source to safetensors first.")
-        readers = [_pickle_reader(p) for p in paths]
-    missing = [str(p) for p in paths if not p.is_file()]
-    if missing:
-        raise ConversionError(f"the checkpoint index lists shards that are not there: {', '.join(missing)}.")
-    return Source(config, *_architecture(config), folder, readers, [p.stat().st_size for p in paths])
-
-
-def _gguf_source(folder: Path, filename: str) -> Source:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype=torch.float32)
-    state = model.state_dict()
-    config = model.config
-    del model
-    size = sum(t.numel() * t.element_size() for t in state.values())
-    return Source(config, *_architecture(config), folder, [lambda: iter(state.items())], [size],
-                  gguf=(folder, filename))
-
-
-def open_source(source: str | Path, *, gguf_file: str | None = None, allow_pickle: bool = False) -> Source:
-    """Resolve SOURCE: a local folder, a .gguf file (or folder + ``gguf_file``), or a Hub model id (downloaded
-    through huggingface_hub's cache, which also serves it offline once cached)."""
-    path = Path(source)
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            raise ConversionError(f"GGUF file {path} does not exist.")
-        return _gguf_source(path.parent, path.name)
-    if path.is_dir():
-        return _gguf_source(path, gguf_file) if gguf_file else _folder_source(path, allow_pickle)
-    if path.exists():
-        raise ConversionError(f"{path} is a file but not a .gguf file; pass a checkpoint folder instead.")
-    if str(source).startswith((".", "/")) or str(source).count("/") != 1:
-        raise ConversionError(f"{source} is neither an existing folder nor a Hub model id of the form OWNER/NAME.")
-    from huggingface_hub import snapshot_download
-
-    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"] + (["*.bin"] if allow_pickle else [])
-    try:
-        folder = Path(snapshot_download(str(source), allow_patterns=[gguf_file] if gguf_file else patterns))
-    except Exception as error:  # network, permission, missing repo, offline without a cached copy
-        raise ConversionError(f"could not fetch {source} from the Hub ({type(error).__name__}: {error}). Check the "
-                              "id and your network or HF_TOKEN, or pass a local folder.") from error
-    return _gguf_source(folder, gguf_file) if gguf_file else _folder_source(folder, allow_pickle)
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Config, new parameters, writing
-# ----------------------------------------------------------------------------------------------------------------------
-def fiber_class(head: str) -> type[FiberBundlePreTrainedModel]:
-    """The Fiber Bundle class that takes a source's head (``weight_maps.HEADS``): "FiberBundle" + the head's suffix."""
-    return getattr(modeling, f"FiberBundle{head}")
-
-
 def configured_class(config: FiberBundleConfig) -> type[FiberBundlePreTrainedModel]:
     """The Fiber Bundle class a converted config names in ``architectures``."""
     return getattr(modeling, config.architectures[0])
@@ -200,32 +78,6 @@ def meta_model(config: FiberBundleConfig) -> FiberBundlePreTrainedModel:
     tensor."""
     with torch.device("meta"):
         return configured_class(config)(config)
-
-
-def init_geometry(model: FiberBundlePreTrainedModel, seed: int) -> None:
-    """(Re)initialise every layer's ``fiber`` module in place at its graft values (gates 0, generators random), with
-    the model's own _init_weights: the model then computes its backbone's function again."""
-    torch.manual_seed(seed)
-    for layer in model.model.layers:
-        fiber = getattr(layer, "fiber", None)
-        if fiber is not None:
-            if fiber.code_proj.weight.is_meta:
-                fiber.to_empty(device="cpu")
-            for param in fiber.parameters():  # why: transformers' init functions skip tensors flagged as loaded
-                param._is_hf_initialized = False
-            model._init_weights(fiber)
-
-
-def new_parameters(model: FiberBundlePreTrainedModel, seed: int) -> dict[str, torch.Tensor]:
-    """The ``fiber`` parameters of every layer at their graft values, initialised by the model's own _init_weights."""
-    init_geometry(model, seed)
-    tensors = {}
-    for i, layer in enumerate(model.model.layers):
-        fiber = getattr(layer, "fiber", None)
-        if fiber is not None:
-            for name, value in fiber.state_dict().items():
-                tensors[f"model.layers.{i}.fiber.{name}"] = value.detach().clone()
-    return tensors
 
 
 def expected_shapes(model: FiberBundlePreTrainedModel) -> dict[str, torch.Size]:
@@ -292,12 +144,6 @@ def _map_name(name: str, table: dict) -> tuple[bool, str | None]:
     return True, target.format(index.group(1)) if index else target
 
 
-def _write_modeling_files(folder: Path):
-    modeling_file = Path(modeling.__file__)
-    for path in [modeling_file, *get_relative_import_files(str(modeling_file))]:
-        shutil.copyfile(path, folder / Path(path).name)
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # The engine
 # ----------------------------------------------------------------------------------------------------------------------
@@ -335,7 +181,7 @@ def convert_checkpoint(
         output: the folder to write; refused if it exists and is not empty, unless ``overwrite``.
         metric_rank, metric_hidden, ffn_metric_rank: the geometry (``ffn_metric_rank`` defaults to ``metric_rank``).
             ``metric_rank="auto"`` picks r from the intrinsic rank of the source's attention logits on calibration
-            text (``analysis.probes.suggest_metric_rank``) and records the figures in conversion_report.json.
+            text (``conversion.rank.suggest_metric_rank``) and records the figures in conversion_report.json.
         gguf_file: the GGUF file name inside the ``source`` folder (or Hub repo).
         dtype: "float32", "bfloat16" or "float16"; default: keep the source's dtype.
         max_shard_size: largest output shard, e.g. "500MB".
@@ -393,9 +239,9 @@ def convert_checkpoint(
             (staging / "conversion_report.json").write_text(json.dumps(report, indent=2) + "\n")
             if "parity" in report and not report["parity"]["passed"]:
                 raise ConversionError(f"parity check failed: {report['parity']['summary']}")
-        write_model_card(staging, config=config, source=str(source), family=src.family, report=report,
-                         base_model=base_model or _hub_id(source, src), license=license or _source_license(src),
-                         model_name=output.name)
+        write_card(staging, auto_class=configured_class(config)._auto_class, config=config, source=str(source),
+                   source_architecture=src.family, report=report, base_model=base_model or _hub_id(src),
+                   license=license or card_license(src.location.folder), model_name=output.name)
         replace_folder(staging, output)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)  # nothing half-written is left behind, whatever happened
@@ -457,15 +303,15 @@ def _write_folder(src: Source, config: FiberBundleConfig, folder: Path, max_byte
         progress.update(1)
     progress.close()
     new_dtype = dtype or _source_dtype(config)
-    for name, tensor in new_parameters(structure, seed).items():
-        emit(name, tensor.to(new_dtype))
+    structure.init_geometry(seed)  # the new parameters at their graft values: the only tensors not on the meta device
+    for name, tensor in structure.state_dict().items():
+        if ".fiber." in name:
+            emit(name, tensor.detach().to(new_dtype))
     missing = sorted(set(shapes) - written)
     if missing:
         raise ConversionError(f"the source lacks {len(missing)} tensor(s) the model needs, e.g. {missing[:3]}.")
     writer.finish()
-    config.auto_map = dict(modeling.AUTO_MAP)
-    config.save_pretrained(folder)
-    _write_modeling_files(folder)
+    write_config_and_code(structure, folder)
     _copy_tokenizer(src, folder)
 
 
@@ -487,77 +333,25 @@ def _source_dtype(config) -> torch.dtype:
 
 
 def _copy_tokenizer(src: Source, folder: Path):
-    if src.gguf is not None:
-        from transformers import AutoTokenizer, GenerationConfig
+    if src.location.gguf_file is not None:
+        from transformers import GenerationConfig
 
-        gguf_folder, filename = src.gguf
-        AutoTokenizer.from_pretrained(gguf_folder, gguf_file=filename).save_pretrained(folder)
+        load_tokenizer(src.location).save_pretrained(folder)
         GenerationConfig.from_model_config(src.config).save_pretrained(folder)
         return
     for name in TOKENIZER_FILES:
-        if src.folder is not None and (src.folder / name).is_file():
-            shutil.copyfile(src.folder / name, folder / name)
+        if (src.location.folder / name).is_file():
+            shutil.copyfile(src.location.folder / name, folder / name)
 
 
-def _hub_id(source, src: Source) -> str | None:
+def _hub_id(src: Source) -> str | None:
     """The source's Hub id, when it came from the Hub (or names one in its config)."""
-    for candidate in (str(source), str(getattr(src.config, "_name_or_path", "") or "")):
-        if candidate.count("/") == 1 and not Path(candidate).exists() and not candidate.startswith((".", "/")):
-            return candidate
+    if src.location.hub_id is not None:
+        return src.location.hub_id
+    named = str(getattr(src.config, "_name_or_path", "") or "")
+    if named.count("/") == 1 and not Path(named).exists() and not named.startswith((".", "/")):
+        return named
     return None
-
-
-def _source_license(src: Source) -> str | None:
-    card = src.folder / "README.md" if src.folder is not None else None
-    if card is None or not card.is_file():
-        return None
-    from huggingface_hub import ModelCard
-
-    return ModelCard.load(card).data.license
-
-
-def write_model_card(folder: Path, *, config, source: str, family: str, report: dict | None,
-                     base_model: str | None, license: str | None, model_name: str, repo_id: str | None = None):
-    """Render README.md from the template in ``model_cards/`` with huggingface_hub's ModelCard."""
-    from huggingface_hub import ModelCard, ModelCardData
-
-    from fiber_bundle.model_cards import template_path
-
-    auto_class = configured_class(config)._auto_class
-    data = ModelCardData(
-        base_model=base_model, library_name="transformers", pipeline_tag=PIPELINE_TAGS[auto_class], license=license,
-        tags=["fiber-bundle", "riemannian-attention", "custom_code", family],
-    )
-    parity = "not checked (--no-verify)"
-    geometry = overhead = "see config.json"
-    if report is not None:
-        p = report["parity"]
-        parity = (f"max abs logit difference {p['max_abs_logit_diff']:.2e} (bound {p['bound']:.2e}) on "
-                  f"{p['calibration_tokens']} tokens")
-        if p["greedy_agreement"] is not None:  # a classifier does not generate
-            parity += f"; greedy agreement {p['greedy_agreement']:.0%} over {p['greedy_tokens']} tokens"
-        geometry = f"{report['parameters']['geometry']:,}"
-        overhead = f"{report['parameters']['overhead_percent']:.2f}%"
-    card = ModelCard.from_template(
-        data,
-        template_path=template_path(),
-        model_name=model_name,
-        base_model=base_model or source,
-        base_model_url=f"https://huggingface.co/{base_model}" if base_model else "#conversion",
-        repo_id=repo_id or "OWNER/NAME",
-        auto_class=auto_class,
-        metric_rank=config.metric_rank,
-        ffn_metric_rank=config.ffn_metric_rank,
-        metric_hidden=config.metric_hidden,
-        source=source,
-        source_architecture=family,
-        geometry_parameters=geometry,
-        overhead=overhead,
-        parity=parity,
-        transformers_range=">=5.24,<6",
-        torch_version=torch.__version__.split("+")[0],
-    )
-    card.save(folder / "README.md")
 
 
 def replace_folder(staging: Path, output: Path):

@@ -10,36 +10,18 @@ import resource
 import sys
 
 import torch
-import transformers
-from transformers import AutoTokenizer
 
-from .convert import fiber_class
+from .sources import calibration_text, load_model, load_tokenizer
 
 CALIBRATION_TOKENS = 384
 GREEDY_TOKENS = 32
 
 
-def calibration_text() -> str:
-    """Real English text that every Python ships: the standard library's pydoc topics."""
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[key] for key in sorted(topics))
-
-
-def _load_source(src, attn_implementation):
-    auto_class = getattr(transformers, f"AutoModel{src.head}")  # the source's own head
-    kwargs = dict(dtype=torch.float32, attn_implementation=attn_implementation)
-    if src.gguf is not None:
-        folder, filename = src.gguf
-        return auto_class.from_pretrained(folder, gguf_file=filename, **kwargs).eval()
-    return auto_class.from_pretrained(src.folder, **kwargs).eval()
-
-
-def _calibration_ids(load_tokenizer, vocab_size: int, tokens: int = CALIBRATION_TOKENS) -> torch.Tensor:
-    """``tokens`` ids of calibration text from the tokenizer ``load_tokenizer()`` returns; random ids when there is no
-    usable tokenizer (tiny test checkpoints)."""
+def _calibration_ids(tokenizer_loader, vocab_size: int, tokens: int = CALIBRATION_TOKENS) -> torch.Tensor:
+    """``tokens`` ids of calibration text from the tokenizer ``tokenizer_loader()`` returns; random ids when there is
+    no usable tokenizer (tiny test checkpoints)."""
     try:
-        ids = load_tokenizer()(calibration_text()[:20000], return_tensors="pt").input_ids[:, :tokens]
+        ids = tokenizer_loader()(calibration_text()[:20000], return_tensors="pt").input_ids[:, :tokens]
         if ids.shape[1] >= 32:
             return ids
     except (OSError, ValueError, TypeError):
@@ -48,29 +30,26 @@ def _calibration_ids(load_tokenizer, vocab_size: int, tokens: int = CALIBRATION_
     return torch.randint(0, vocab_size, (1, tokens), generator=generator)
 
 
-def _source_tokenizer(src):
-    if src.gguf is not None:
-        folder, filename = src.gguf
-        return AutoTokenizer.from_pretrained(folder, gguf_file=filename)
-    return AutoTokenizer.from_pretrained(src.folder)
+def _load_source(src):
+    """The source model in float32 with its own head, attention sdpa (a run switches it to eager in place)."""
+    return load_model(src.location, head=src.head, attn_implementation="sdpa")
 
 
 def auto_metric_rank(src, tokens: int = 256) -> tuple[int, dict]:
-    """``--metric-rank auto``: the rank ``fiber_bundle.analysis.probes.suggest_metric_rank`` picks from the intrinsic
-    rank of the source's attention logits on calibration text, and the figures behind the choice."""
-    from fiber_bundle.analysis.probes import suggest_metric_rank
+    """``--metric-rank auto``: the rank ``rank.suggest_metric_rank`` picks from the intrinsic rank of the source's
+    attention logits on calibration text, and the figures behind the choice."""
+    from .rank import suggest_metric_rank
 
-    source = _load_source(src, "sdpa")
-    ids = _calibration_ids(lambda: _source_tokenizer(src), source.config.vocab_size, tokens)
+    source = _load_source(src)
+    ids = _calibration_ids(lambda: load_tokenizer(src.location), source.config.vocab_size, tokens)
     return suggest_metric_rank(source, ids)
 
 
 def verify_conversion(src, folder, seconds: float) -> dict:
     """Run source and converted model on calibration text; return the conversion report (a JSON-able dict)."""
-    converted = fiber_class(src.head).from_pretrained(folder, dtype=torch.float32).eval()
-    ids = _calibration_ids(lambda: AutoTokenizer.from_pretrained(folder, trust_remote_code=True),  # our own folder
-                           converted.config.vocab_size)
-    source = _load_source(src, "sdpa")  # loaded once; its eager run switches the attention implementation in place
+    converted = load_model(folder, head=src.head)
+    ids = _calibration_ids(lambda: load_tokenizer(folder), converted.config.vocab_size)
+    source = _load_source(src)  # loaded once; its eager run switches the attention implementation in place
     with torch.no_grad():
         got = converted(ids).logits
         sdpa = source(ids).logits

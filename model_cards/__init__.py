@@ -1,7 +1,6 @@
-"""Model card templates (installed as ``fiber_bundle.model_cards``), rendered with huggingface_hub's ModelCard."""
+"""Model cards (installed as ``fiber_bundle.model_cards``): the template, rendered and finished with huggingface_hub's
+ModelCard by ``card`` (used by ``fiber-bundle convert`` and ``fiber-bundle publish``)."""
 
-from importlib.resources import files
+from .card import PIPELINE_TAGS, card_license, finish_card, template_path, transformers_range, write_card
 
-
-def template_path(name: str = "fiber_bundle.md") -> str:
-    return str(files(__name__) / name)
+__all__ = ["PIPELINE_TAGS", "card_license", "finish_card", "template_path", "transformers_range", "write_card"]

@@ -26,6 +26,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
+from transformers.dynamic_module_utils import custom_object_save
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import (
     GenericForQuestionAnswering,
@@ -60,14 +61,6 @@ from .fiber_attention import (
 )
 
 GEOMETRY_KEYS = ("curvature", "torsion", "anisotropy")
-AUTO_MAP = {
-    "AutoConfig": "configuration_fiber_bundle.FiberBundleConfig",
-    "AutoModel": "modeling_fiber_bundle.FiberBundleModel",
-    "AutoModelForCausalLM": "modeling_fiber_bundle.FiberBundleForCausalLM",
-    "AutoModelForSequenceClassification": "modeling_fiber_bundle.FiberBundleForSequenceClassification",
-    "AutoModelForTokenClassification": "modeling_fiber_bundle.FiberBundleForTokenClassification",
-    "AutoModelForQuestionAnswering": "modeling_fiber_bundle.FiberBundleForQuestionAnswering",
-}
 
 
 def _pop_deprecated_cache(cache, kwargs):
@@ -511,9 +504,36 @@ class FiberBundlePreTrainedModel(PreTrainedModel):
     _can_record_outputs = None
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        # transformers writes auto_map only for the class being saved; a Hub folder must also load with AutoModel
-        self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **AUTO_MAP}
+        self._name_every_auto_class()  # transformers' save_pretrained then writes the code as save_code does
         return super().save_pretrained(save_directory, *args, **kwargs)
+
+    def save_code(self, save_directory) -> list:
+        """Write the code half of a Hub folder, as ``save_pretrained`` does, for a writer that saves the weights itself
+        (conversion streams them shard by shard): transformers' ``custom_object_save`` copies this file and its
+        relative imports and records the model's Auto class in ``config.auto_map``, beside every other Auto class.
+        Returns the paths written; saving the config (which writes the auto_map) is the caller's next step."""
+        self._name_every_auto_class()
+        return custom_object_save(self, save_directory, config=self.config)
+
+    def _name_every_auto_class(self):
+        # custom_object_save records only the class being saved; a Hub folder must also load with AutoModel and
+        # every task head
+        self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **AUTO_MAP}
+
+    def init_geometry(self, seed: int) -> None:
+        """(Re)initialise every layer's ``fiber`` module in place at its graft values (gates 0, generators random,
+        drawn from ``seed``), with the model's own ``_init_weights``: the model then computes its backbone's function
+        again. The same seed gives the same parameters (conversion draws a converted folder's with it); a module still
+        on the meta device is first given CPU memory."""
+        torch.manual_seed(seed)
+        for layer in self.base_model.layers:
+            fiber = getattr(layer, "fiber", None)
+            if fiber is not None:
+                if fiber.code_proj.weight.is_meta:
+                    fiber.to_empty(device="cpu")
+                for param in fiber.parameters():  # why: transformers' init functions skip tensors flagged as loaded
+                    param._is_hf_initialized = False
+                self._init_weights(fiber)
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -768,13 +788,20 @@ class FiberBundleForQuestionAnswering(GenericForQuestionAnswering, FiberBundlePr
         self.post_init()
 
 
-# save_pretrained copies this file and its relative imports and writes auto_map, also after a trust_remote_code load
-FiberBundleConfig._auto_class = "AutoConfig"
-FiberBundleModel._auto_class = "AutoModel"
-FiberBundleForCausalLM._auto_class = "AutoModelForCausalLM"
-FiberBundleForSequenceClassification._auto_class = "AutoModelForSequenceClassification"
-FiberBundleForTokenClassification._auto_class = "AutoModelForTokenClassification"
-FiberBundleForQuestionAnswering._auto_class = "AutoModelForQuestionAnswering"
+# save_pretrained copies this file and its relative imports and writes auto_map (AUTO_MAP, read from these
+# registrations: every Auto class named once), also after a trust_remote_code load.
+AUTO_CLASSES = {
+    FiberBundleConfig: "AutoConfig",
+    FiberBundleModel: "AutoModel",
+    FiberBundleForCausalLM: "AutoModelForCausalLM",
+    FiberBundleForSequenceClassification: "AutoModelForSequenceClassification",
+    FiberBundleForTokenClassification: "AutoModelForTokenClassification",
+    FiberBundleForQuestionAnswering: "AutoModelForQuestionAnswering",
+}
+for _cls, _auto in AUTO_CLASSES.items():
+    _cls.register_for_auto_class(_auto)
+# module file name (as in the Hub folder) . class name
+AUTO_MAP = {auto: f"{cls.__module__.rpartition('.')[2]}.{cls.__name__}" for cls, auto in AUTO_CLASSES.items()}
 
 __all__ = [
     "FiberBundleForCausalLM",

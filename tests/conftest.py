@@ -9,6 +9,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no test may reach the network
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
+from transformers import (  # noqa: E402
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
 import modeling_fiber_bundle  # noqa: E402  registers the Auto classes
 from modeling_fiber_bundle import FiberBundleConfig, FiberBundleForCausalLM  # noqa: E402
 
@@ -27,6 +38,16 @@ TINY = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
+
+
+# The source families that Fiber Bundle models reproduce and conversion reads: transformers' config and causal-LM
+# classes, and the config fields a tiny twin of each needs beyond TINY.
+SOURCE_FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {}),
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 6}),
+}
 
 
 def tiny_config(**overrides) -> FiberBundleConfig:

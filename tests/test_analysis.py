@@ -409,14 +409,13 @@ def test_metric_learning_rate_gets_its_own_group(tmp_path):
 
 
 def test_init_geometry_redraws_a_loaded_model_in_place(tiny_folders):
-    from fiber_bundle.conversion.convert import init_geometry
     from modeling_fiber_bundle import FiberBundleForCausalLM
 
     loaded = FiberBundleForCausalLM.from_pretrained(tiny_folders / "converted")
     saved = {k: v.clone() for k, v in loaded.state_dict().items()}
-    init_geometry(loaded, seed=0)  # the conversion's seed: the same draws as the converted folder
+    loaded.init_geometry(seed=0)  # the conversion's seed: the same draws as the converted folder
     assert all(torch.equal(saved[k], v) for k, v in loaded.state_dict().items())
-    init_geometry(loaded, seed=1)
+    loaded.init_geometry(seed=1)
     changed = [k for k, v in loaded.state_dict().items() if not torch.equal(saved[k], v)]
     assert changed and all(".fiber." in k and k.endswith(("proj.weight",)) for k in changed)
     assert all(torch.isfinite(v).all() for v in loaded.state_dict().values())

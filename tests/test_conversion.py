@@ -5,33 +5,18 @@ import weakref
 
 import pytest
 import torch
-from transformers import (
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
+from transformers import GPT2Config, GPT2LMHeadModel
 
-from conftest import geometry_step_change, random_ids, run_without_project
+from conftest import SOURCE_FAMILIES as SOURCES
+from conftest import geometry_step_change, random_ids, run_without_project, tiny_tokenizer
 from fiber_bundle.conversion import ConversionError, convert_checkpoint
 from fiber_bundle.conversion import convert as engine
+from fiber_bundle.conversion import sources
 from fiber_bundle.conversion.cli import main as cli_main
 from modeling_fiber_bundle import FiberBundleForCausalLM
 
 TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
-SOURCES = {
-    "llama": (LlamaConfig, LlamaForCausalLM, {}),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {}),
-    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 6}),
-}
 
 
 def save_source(folder, family, tie=False, dtype=torch.float32, shard="30KB", seed=0):
@@ -121,7 +106,7 @@ def test_sharded_conversion_holds_one_shard_at_a_time(tmp_path, monkeypatch):
     shards = sorted((tmp_path / "src").glob("*.safetensors"))
     total = sum(p.stat().st_size for p in shards)
     alive, peak = {}, [0]
-    reader = engine._safetensors_reader
+    reader = sources._safetensors_reader
 
     def tracking_reader(path):
         read = reader(path)
@@ -136,7 +121,7 @@ def test_sharded_conversion_holds_one_shard_at_a_time(tmp_path, monkeypatch):
 
         return wrapped
 
-    monkeypatch.setattr(engine, "_safetensors_reader", tracking_reader)
+    monkeypatch.setattr(sources, "_safetensors_reader", tracking_reader)
     convert_checkpoint(tmp_path / "src", tmp_path / "out", max_shard_size="20KB", verify=False)
     assert len(shards) >= 4
     # one output shard being filled, the tensor that closes it and the one in hand: never the whole checkpoint
@@ -333,3 +318,113 @@ def test_rope_types_llama_supports_convert_and_others_are_refused(tmp_path, rope
         assert report["parity"]["passed"] and report["parity"]["greedy_agreement"] == 1.0
         saved = json.loads((tmp_path / "out" / "config.json").read_text())
         assert saved["rope_parameters"]["rope_type"] == rope_type
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# one Hub-folder writer, one card, one loader, one init_geometry
+# ---------------------------------------------------------------------------------------------------------------------
+def test_convert_and_save_pretrained_write_the_same_code_and_auto_map(tmp_path):
+    """Conversion (weights streamed, code through the model's save_code) and a model's save_pretrained write the same
+    code files, byte for byte, and the same auto_map: every Auto class."""
+    from fiber_bundle.conversion.hub import AUTO_MAP, modeling_files
+
+    save_source(tmp_path / "src", "llama")
+    convert_checkpoint(tmp_path / "src", tmp_path / "converted", verify=False)
+    FiberBundleForCausalLM.from_pretrained(tmp_path / "converted").save_pretrained(tmp_path / "saved")
+    code = {}
+    for name in ("converted", "saved"):
+        folder = tmp_path / name
+        code[name] = {p.name: p.read_bytes() for p in folder.glob("*.py")}
+        assert json.loads((folder / "config.json").read_text())["auto_map"] == AUTO_MAP, name
+    assert code["converted"] == code["saved"]
+    assert sorted(code["converted"]) == list(modeling_files()) == [
+        "configuration_fiber_bundle.py", "fiber_attention.py", "modeling_fiber_bundle.py"]
+
+
+def test_card_names_the_transformers_range_of_pyproject(tmp_path):
+    """The card's range is read from the installed distribution, whose only source is pyproject.toml."""
+    import tomllib
+    from pathlib import Path
+
+    from huggingface_hub import ModelCard
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+
+    from fiber_bundle.model_cards import transformers_range
+
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    declared = next(Requirement(line).specifier for line in pyproject["project"]["dependencies"]
+                    if Requirement(line).name == "transformers")
+    assert SpecifierSet(transformers_range()) == declared
+    save_source(tmp_path / "src", "llama")
+    convert_checkpoint(tmp_path / "src", tmp_path / "out", verify=False)
+    assert f"transformers {transformers_range()} and torch" in ModelCard.load(tmp_path / "out" / "README.md").text
+
+
+def test_loader_resolves_folders_and_refuses_what_is_not_a_source(tmp_path):
+    from fiber_bundle.conversion.sources import (Location, SourceNotFoundError, load_model, load_tokenizer, locate,
+                                                 open_source)
+
+    source = save_source(tmp_path / "src", "llama")
+    tiny_tokenizer().save_pretrained(tmp_path / "src")
+    assert locate(tmp_path / "src") == Location(tmp_path / "src")
+    plain = load_model(tmp_path / "src")
+    assert type(plain).__name__ == "LlamaForCausalLM" and not plain.training
+    assert open_source(tmp_path / "src").family == "llama"
+    convert_checkpoint(tmp_path / "src", tmp_path / "out", verify=False)
+    converted = load_model(tmp_path / "out")
+    assert type(converted) is FiberBundleForCausalLM and not converted.training
+    ids = random_ids(1, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(converted(ids).logits, source(ids).logits, rtol=0, atol=1e-5)
+    text = "w5 w6 w7"
+    assert load_tokenizer(tmp_path / "out")(text).input_ids == load_tokenizer(tmp_path / "src")(text).input_ids != []
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "weights.bin").write_bytes(b"")
+    cases = {
+        tmp_path / "nowhere": "neither an existing folder nor a Hub model id",
+        tmp_path / "missing.gguf": "GGUF file .* does not exist",
+        tmp_path / "empty": "has no config.json",
+        tmp_path / "weights.bin": "is a file but not a .gguf file",
+    }
+    for path, message in cases.items():
+        for load in (locate, load_model, load_tokenizer, open_source):
+            with pytest.raises(SourceNotFoundError, match=message):
+                load(path)
+    # a conversion error and a FileNotFoundError: convert and analyze both report it as a one-line error
+    assert issubclass(SourceNotFoundError, ConversionError) and issubclass(SourceNotFoundError, FileNotFoundError)
+
+
+@pytest.mark.heavy
+def test_loader_reads_a_gguf_file_as_a_plain_model():
+    from fiber_bundle.conversion.assets import SMOLLM2_GGUF, cache_dir
+    from fiber_bundle.conversion.sources import Location, load_model, load_tokenizer, locate
+
+    gguf = cache_dir() / "smollm2" / SMOLLM2_GGUF
+    if not gguf.is_file():
+        pytest.skip(f"no cached GGUF at {gguf} (tests/test_smollm2.py fetches it)")
+    assert locate(gguf) == locate(gguf.parent, gguf_file=gguf.name) == Location(gguf.parent, gguf.name)
+    model = load_model(gguf)
+    assert type(model).__name__ == "LlamaForCausalLM" and not model.training
+    assert not getattr(model, "is_quantized", False) and "quantization_config" not in model.config.to_dict()
+    ids = load_tokenizer(gguf)("The capital of France is", return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert torch.isfinite(model(ids).logits).all()
+
+
+def test_init_geometry_is_the_converted_draw_for_its_seed(tmp_path):
+    """``init_geometry(seed)`` on the model class gives the same parameters for the same seed, on the meta-device
+    structure conversion uses and on a loaded model alike: a converted folder holds exactly the seed's draw."""
+    save_source(tmp_path / "src", "qwen3")
+    convert_checkpoint(tmp_path / "src", tmp_path / "out", verify=False, seed=7)
+    loaded = FiberBundleForCausalLM.from_pretrained(tmp_path / "out")
+    geometry = {k: v.clone() for k, v in loaded.state_dict().items() if ".fiber." in k}
+    structure = engine.meta_model(loaded.config)
+    structure.init_geometry(7)
+    drawn = {k: v for k, v in structure.state_dict().items() if ".fiber." in k}
+    assert drawn.keys() == geometry.keys() and all(torch.equal(drawn[k], geometry[k]) for k in geometry)
+    loaded.init_geometry(8)
+    assert any(not torch.equal(v, geometry[k]) for k, v in loaded.state_dict().items() if k in geometry)
+    loaded.init_geometry(7)
+    assert all(torch.equal(v, geometry[k]) for k, v in loaded.state_dict().items() if k in geometry)

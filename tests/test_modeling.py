@@ -4,21 +4,9 @@ import warnings
 
 import pytest
 import torch
-from transformers import (
-    AutoModel,
-    CompileConfig,
-    AutoModelForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
+from transformers import AutoModel, AutoModelForCausalLM, CompileConfig, LlamaConfig, LlamaForCausalLM
 
-from conftest import TINY, geometry_step_change, random_ids, set_gates, tiny_config, tiny_model
+from conftest import SOURCE_FAMILIES, TINY, geometry_step_change, random_ids, set_gates, tiny_config, tiny_model
 from modeling_fiber_bundle import FiberBundleConfig, FiberBundleForCausalLM, FiberBundleModel
 from modeling_fiber_bundle import modeling_fiber_bundle as modeling
 from modeling_fiber_bundle.fiber_attention import metric_gram
@@ -26,18 +14,15 @@ from modeling_fiber_bundle.fiber_attention import metric_gram
 F64 = torch.float64
 BACKBONE_KEYS = {k: v for k, v in TINY.items() if k not in ("pad_token_id",)}
 
-# Each source family: its transformers classes and the FiberBundleConfig fields that reproduce it.
-FAMILIES = {
-    "llama": (LlamaConfig, LlamaForCausalLM, {}, {}),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}, {"attention_bias": True, "attention_out_bias": False}),
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {}, {"qk_norm": True}),
-    "mistral": (
-        MistralConfig,
-        MistralForCausalLM,
-        {"sliding_window": 6},
-        {"sliding_window": 6, "layer_types": ["sliding_attention"] * 2},
-    ),
+# Each source family: its transformers classes (conftest.SOURCE_FAMILIES) and the FiberBundleConfig fields that
+# reproduce it.
+FIBER_FIELDS = {
+    "llama": {},
+    "qwen2": {"attention_bias": True, "attention_out_bias": False},
+    "qwen3": {"qk_norm": True},
+    "mistral": {"sliding_window": 6, "layer_types": ["sliding_attention"] * 2},
 }
+FAMILIES = {family: (*SOURCE_FAMILIES[family], fields) for family, fields in FIBER_FIELDS.items()}
 
 
 def backbone_pair(family, tie, seed=0, **fiber_overrides):

@@ -157,3 +157,15 @@ def test_checks_find_what_breaks_a_hub_folder(folder):
 def test_publish_command_dry_run(folder, api, capsys):
     assert cli_main(["publish", str(folder), "--repo-id", "someone/fbt-tiny", "--dry-run"]) == 0
     assert "would upload (dry run)" in capsys.readouterr().out and api.calls == []
+
+
+def test_check_refuses_a_folder_missing_any_modeling_file(folder):
+    """The check reads the one list of modeling files (what save_pretrained writes): each missing one is named."""
+    from fiber_bundle.conversion.hub import modeling_files
+
+    assert sorted(p.name for p in folder.glob("*.py")) == list(modeling_files())
+    for name in modeling_files():
+        (folder / name).rename(folder / f"{name}.aside")
+        assert check_folder(folder, load=False) == [f"modeling file {name} is missing"]
+        (folder / f"{name}.aside").rename(folder / name)
+    assert check_folder(folder, load=False) == []

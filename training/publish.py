@@ -11,14 +11,15 @@ from pathlib import Path
 from huggingface_hub.utils import filter_repo_objects
 
 from fiber_bundle.conversion.fresh_process import run_without_project
-from modeling_fiber_bundle.modeling_fiber_bundle import AUTO_MAP
+from fiber_bundle.conversion.hub import AUTO_MAP, modeling_files
+from fiber_bundle.model_cards import finish_card
 
-MODELING_FILES = ("configuration_fiber_bundle.py", "modeling_fiber_bundle.py", "fiber_attention.py")
 # never uploaded (huggingface_hub's patterns: fnmatch on the path in the folder, "*" crosses "/"): training checkpoints
 # (checkpoints/, and a Trainer's checkpoint-N/ at any depth), the Trainer's state, optimiser / scheduler / scaler / RNG
 # states and any other pickle (.pt, .pth, .bin: training_args.bin, ...), hidden files and folders
 IGNORE_PATTERNS = ["checkpoints/*", "checkpoint-*/*", "*/checkpoint-*/*", "trainer_state.json", "*.pt", "*.pth",
                    "*.bin", ".*", "*/.*"]
+
 
 class PublishError(RuntimeError):
     """Publishing cannot proceed; the message names the problem and the fix."""
@@ -35,7 +36,7 @@ def check_folder(folder: str | Path, *, load: bool = True) -> list[str]:
     if missing:
         problems.append(f"config.json auto_map lacks {missing} (load the model and save_pretrained it again: that "
                         "writes the whole auto_map)")
-    problems += [f"modeling file {name} is missing" for name in MODELING_FILES if not (folder / name).is_file()]
+    problems += [f"modeling file {name} is missing" for name in modeling_files() if not (folder / name).is_file()]
     if not list(folder.glob("*.safetensors")):
         problems.append("no safetensors weights")
     if list(folder.glob("*.bin")) or list(folder.glob("*.pt")):
@@ -50,29 +51,6 @@ def check_folder(folder: str | Path, *, load: bool = True) -> list[str]:
         if result.returncode != 0:
             problems.append(f"does not load with trust_remote_code in a fresh process: {result.stderr[-800:]}")
     return problems
-
-
-def finish_card(folder: Path, repo_id: str):
-    """Fill the repo id into the model card and add the training metrics (``training_metrics.json``) if any."""
-    from huggingface_hub import ModelCard, ModelCardData
-
-    path = folder / "README.md"
-    if path.is_file():
-        card = ModelCard.load(path)
-    else:
-        card = ModelCard(f"---\n{ModelCardData().to_yaml()}\n---\n\n# {repo_id.split('/')[-1]}\n\nA Fiber Bundle "
-                         "Transformer model.\n")
-    card.data.library_name = "transformers"
-    card.data.pipeline_tag = card.data.pipeline_tag or "text-generation"  # a converted classifier keeps its own
-    card.data.tags = sorted(set(card.data.tags or []) | {"fiber-bundle", "custom_code"})
-    card.text = card.text.replace("OWNER/NAME", repo_id)
-    metrics_path = folder / "training_metrics.json"
-    if metrics_path.is_file() and "## Training" not in card.text:
-        metrics = json.loads(metrics_path.read_text())
-        rows = "\n".join(f"| {key} | {value} |" for key, value in metrics.items())
-        card.text += f"\n## Training\n\n| | |\n|---|---|\n{rows}\n"
-    card.save(path)
-    return card
 
 
 def publish(folder: str | Path, repo_id: str, *, private: bool = False, revision: str | None = None,
