@@ -152,10 +152,15 @@ def test_riemannian_stack_layer_is_the_geodesic_score_in_the_query_metric():
 # ----------------------------------------------------------------------------------------------------------------------
 # real-model probes against the models' own computations
 # ----------------------------------------------------------------------------------------------------------------------
-def tiny_llama(seed=0):
+def tiny_transformers_model(config_cls=LlamaConfig, model_cls=LlamaForCausalLM, seed=0):
+    """One of transformers' own causal LMs on the tiny shape, eager attention, float64."""
     torch.manual_seed(seed)
     fields = {k: v for k, v in TINY.items() if k not in ("rms_norm_eps",)}
-    return LlamaForCausalLM(LlamaConfig(**fields, attn_implementation="eager")).to(torch.float64).eval()
+    return model_cls(config_cls(**fields, attn_implementation="eager")).to(torch.float64).eval()
+
+
+def tiny_llama(seed=0):
+    return tiny_transformers_model(seed=seed)
 
 
 @pytest.mark.parametrize("which", ["fiber", "llama"])
@@ -173,12 +178,6 @@ def test_layer_logits_are_the_models_own_attention(which):
         assert torch.allclose(probs, out.attentions[i].to(probs.dtype), atol=1e-10)
 
 
-def tiny_qwen3(seed=0):
-    torch.manual_seed(seed)
-    fields = {k: v for k, v in TINY.items() if k not in ("rms_norm_eps",)}
-    return Qwen3ForCausalLM(Qwen3Config(**fields, attn_implementation="eager")).to(torch.float64).eval()
-
-
 @pytest.mark.parametrize("which", ["fiber-blocked", "fiber-per-head-qk-norm", "llama-sdpa", "qwen3"])
 def test_probe_logits_are_the_scores_the_attention_used(which):
     """softmax(probe logits + causal mask) equals the probabilities each layer's attention returned
@@ -192,7 +191,7 @@ def test_probe_logits_are_the_scores_the_attention_used(which):
         model = set_gates(tiny_model(attention_block_size=5, **extra))
         tolerance = dict(rtol=1e-10, atol=1e-12)
     else:
-        model = tiny_qwen3() if which == "qwen3" else tiny_llama()
+        model = tiny_transformers_model(Qwen3Config, Qwen3ForCausalLM) if which == "qwen3" else tiny_llama()
         tolerance = dict(rtol=1e-6, atol=1e-8)  # transformers' eager attention takes its softmax in float32
     ids = random_ids(2, 24)
     with torch.no_grad():
