@@ -441,7 +441,8 @@ class FiberBundleDecoderLayer(GradientCheckpointingLayer):
         """This layer's metric field, built once per forward for attention and MLP; None for a layer without ``fiber``.
 
         In training with ``config.geometry_recompute`` it is checkpointed as a whole: the backward keeps only its input
-        and recomputes the O(n d r) intermediates (code, raw factors, bounded map) there."""
+        and recomputes the O(n d r) intermediates (code, raw factors, bounded map) there. What the consumers' backwards read
+        stays: the turned attention factors (the kernel's input) and the MLP factors (the Woodbury step's)."""
         fiber = getattr(self, "fiber", None)
         if fiber is None:
             return None
