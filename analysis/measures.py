@@ -2,7 +2,9 @@
 
 - ``relative_residual``: Dong et al. (2021)'s rank-collapse residual, ||X - 1 x^T|| / ||X|| with x the best constant row.
 - ``energy_effective_rank``: the number of singular directions holding a fraction of a matrix's energy (sum of sigma^2),
-  the intrinsic-rank measure of attention logit fields (arXiv:2604.04384 uses 90 %).
+  the intrinsic-rank measure of attention logit fields (arXiv:2604.04384 uses 90 %). It lives, with ``singular_values``,
+  ``centre_rows`` and ``summarise``, in ``fiber_bundle.conversion.rank`` (the conversion's ``--metric-rank auto`` uses
+  it) and is re-exported here.
 - ``numerical_rank``: singular values above a relative tolerance (the non-Gram check of DESIGN 1.2).
 - ``fit_power_law``: y = c x^p fitted in log-log space, with its R^2 (the RMSNorm Lipschitz exponent).
 - ``rmsnorm_lipschitz``: the largest spectral norm of RMSNorm's Jacobian over a set of inputs, by autograd.
@@ -12,6 +14,8 @@
 import math
 
 import torch
+
+from fiber_bundle.conversion.rank import centre_rows, energy_effective_rank, singular_values, summarise  # noqa: F401
 
 
 def relative_residual(x: torch.Tensor) -> torch.Tensor:
@@ -33,37 +37,12 @@ def first_depth_below(curve, threshold: float) -> int | None:
     return None
 
 
-def singular_values(matrix: torch.Tensor) -> torch.Tensor:
-    """Singular values (descending) of (..., m, n), in float64."""
-    return torch.linalg.svdvals(matrix.to(torch.float64))
-
-
-def energy_effective_rank(matrix: torch.Tensor | None = None, *, threshold: float = 0.9,
-                          singular: torch.Tensor | None = None) -> torch.Tensor:
-    """The smallest k such that the top k singular values hold ``threshold`` of sum(sigma^2); per matrix of (..., m, n)
-    (or from precomputed ``singular`` values (..., k)). A zero matrix has rank 0. Returns an integer tensor (...)."""
-    if not 0 < threshold <= 1:
-        raise ValueError(f"threshold must be in (0, 1], got {threshold}.")
-    sigma = singular_values(matrix) if singular is None else singular.to(torch.float64)
-    energy = sigma.pow(2).cumsum(-1)  # (..., k)
-    total = energy[..., -1:]
-    # why the slack: a matrix of k equal singular values must read k at threshold 1, despite rounding in the cumsum
-    reached = energy >= threshold * total * (1 - 1e-12)
-    rank = torch.argmax(reached.to(torch.int8), dim=-1) + 1  # first index where the threshold is reached
-    return torch.where(total[..., 0] > 0, rank, torch.zeros_like(rank))
-
-
 def numerical_rank(matrix: torch.Tensor | None = None, *, rtol: float = 1e-10,
                    singular: torch.Tensor | None = None) -> torch.Tensor:
     """Number of singular values above ``rtol`` x the largest, per matrix of (..., m, n). Compute the matrix in float64
     when the rank is to be read at rtol 1e-10 (float32 rounding alone fills the spectrum at ~1e-7)."""
     sigma = singular_values(matrix) if singular is None else singular.to(torch.float64)
     return (sigma > rtol * sigma[..., :1]).sum(-1)
-
-
-def centre_rows(logits: torch.Tensor) -> torch.Tensor:
-    """Subtract each row's mean: softmax ignores a per-row constant, so this is the part of the logits that matters."""
-    return logits - logits.mean(dim=-1, keepdim=True)
 
 
 def attention_entropy(probs: torch.Tensor) -> torch.Tensor:
@@ -108,13 +87,3 @@ def lipschitz_probes(dim: int, *, scales=None, per_scale: int = 1, seed: int = 0
     directions = torch.randn(len(scales) * per_scale, dim, generator=gen, dtype=torch.float64)
     factors = torch.tensor(scales, dtype=torch.float64).repeat_interleave(per_scale)[:, None]
     return directions * factors
-
-
-def summarise(values) -> dict:
-    """Mean, sample std (ddof 1), min and max of a list of numbers (None entries skipped)."""
-    data = [float(v) for v in values if v is not None]
-    if not data:
-        return {"mean": None, "std": None, "min": None, "max": None, "count": 0}
-    mean = sum(data) / len(data)
-    std = math.sqrt(sum((v - mean) ** 2 for v in data) / (len(data) - 1)) if len(data) > 1 else 0.0
-    return {"mean": mean, "std": std, "min": min(data), "max": max(data), "count": len(data)}

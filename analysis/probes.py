@@ -1,14 +1,15 @@
 """Measurements on real models: what each layer's residual stream and attention logits look like on real text.
 
 Works on a FiberBundleForCausalLM and on transformers' own LLaMA / Mistral / Qwen2 / Qwen3 classes alike: the project
-keeps transformers' module names (``model.layers[i].self_attn.q_proj``, ``input_layernorm``, ``rotary_emb``), so one
-function reads both; a layer with a ``fiber`` module scores with its geodesic metric, any other with the dot product.
+keeps transformers' module names (``model.layers[i].self_attn.q_proj``, ``input_layernorm``), so one function reads
+both. The attention logits are the model's own: ``fiber_bundle.conversion.rank`` records what each layer passes to its
+attention function (a metric layer scores with its geodesic metric, any other with the dot product).
 """
 
 import torch
 
-from modeling_fiber_bundle.fiber_attention import apply_rotary, causal_allowed, geodesic_scores_reference, rotate_factors
-from modeling_fiber_bundle.modeling_fiber_bundle import expand_factors
+from fiber_bundle.conversion.rank import each_layer_logits, suggest_metric_rank  # noqa: F401  (re-exported)
+from modeling_fiber_bundle.fiber_attention import causal_allowed
 
 from .measures import (
     attention_entropy,
@@ -49,55 +50,6 @@ def residual_stream(model, ids: torch.Tensor) -> list[torch.Tensor]:
         for hook in hooks:
             hook.remove()
     return states
-
-
-def rotary(model, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin (B, n, d) for positions 0..n-1."""
-    positions = torch.arange(hidden.shape[1], device=hidden.device)[None].expand(hidden.shape[0], -1)
-    cos, sin = decoder(model).rotary_emb(hidden, positions)
-    return cos.to(hidden.dtype), sin.to(hidden.dtype)
-
-
-def layer_logits(model, layer_idx: int, hidden: torch.Tensor, cos=None, sin=None) -> torch.Tensor:
-    """Pre-softmax attention logits of every (query, key) pair, causal mask not applied: (B, H, n, n).
-
-    ``hidden`` (B, n, D) is the layer's input. Geodesic scores (DESIGN 1.2) where the layer has a metric, dot-product
-    scores otherwise; scale included, keys repeated over the GQA group."""
-    layer = decoder(model).layers[layer_idx]
-    attn = layer.self_attn
-    b, n, _ = hidden.shape
-    d = attn.head_dim
-    if cos is None:
-        cos, sin = rotary(model, hidden)
-    with torch.no_grad():
-        normed = layer.input_layernorm(hidden)
-        query = attn.q_proj(normed).view(b, n, -1, d)  # (B, n, H, d)
-        key = attn.k_proj(normed).view(b, n, -1, d)  # (B, n, Hk, d)
-        if getattr(attn, "q_norm", None) is not None:  # Qwen3: per-head RMSNorm before RoPE
-            query, key = attn.q_norm(query), attn.k_norm(key)
-        query = apply_rotary(query.transpose(1, 2), cos[:, None], sin[:, None])  # (B, H, n, d)
-        key = apply_rotary(key.transpose(1, 2), cos[:, None], sin[:, None])  # (B, Hk, n, d)
-        heads = query.shape[1]
-        key = key.repeat_interleave(heads // key.shape[1], dim=1)  # (B, H, n, d), repeat_kv's order
-        fiber = getattr(layer, "fiber", None)
-        if fiber is not None and getattr(fiber, "metric_rank", 0) > 0:
-            state = fiber(normed, "attention")
-            # the factors turn with the pure rotation (no attention_scaling), as in the model
-            positions = torch.arange(n, device=hidden.device)[None].expand(b, -1)
-            factor_cos, factor_sin = decoder(model).rotary_emb.factor_rotation(hidden, positions)
-            factors = expand_factors(rotate_factors(state.attn_factors, factor_cos, factor_sin), heads)  # (B,H,n,r,d)
-            alpha, gamma = state.alpha, state.gamma
-        else:  # the dot-product score: no metric (alpha = gamma = 0)
-            factors = query.new_zeros(b, heads, n, 1, d)
-            alpha = gamma = query.new_zeros(heads)
-        return geodesic_scores_reference(query, factors, key, alpha, gamma, attn.scaling)
-
-
-def each_layer_logits(model, states: list[torch.Tensor]):
-    """(layer index, pre-softmax logits (B, H, n, n)) for every layer, from ``residual_stream``'s states."""
-    cos, sin = rotary(model, states[0])
-    for i in range(len(states) - 1):
-        yield i, layer_logits(model, i, states[i], cos, sin)
 
 
 def _causal_probs(logits: torch.Tensor) -> torch.Tensor:
@@ -147,7 +99,7 @@ def intrinsic_rank(model, ids: torch.Tensor, *, threshold: float = 0.9, rtol: fl
     The numerical rank is meaningful only for a float64 model: a dot-product head has rank <= d (a Gram matrix), a
     homogeneous metric <= d + 1, and a heterogeneous metric can exceed d + 1 (DESIGN 1.2's non-Gram property)."""
     layers = []
-    for i, logits in each_layer_logits(model, residual_stream(model, ids)):
+    for i, logits in each_layer_logits(model, ids):
         logits = logits.to(torch.float64)  # (B, H, n, n)
         text = energy_effective_rank(centre_rows(logits), threshold=threshold).to(torch.float64)  # (B, H)
         numeric = numerical_rank(logits, rtol=rtol)  # (B, H)
@@ -172,28 +124,6 @@ def intrinsic_rank(model, ids: torch.Tensor, *, threshold: float = 0.9, rtol: fl
             "heads": len(flat("score_numerical_rank")),
         },
     }
-
-
-def suggest_metric_rank(model, ids: torch.Tensor, *, threshold: float = 0.9) -> tuple[int, dict]:
-    """The metric rank r for converting ``model``, from the intrinsic rank of its attention logits on ``ids``.
-
-    Rule: r = the median over layers and heads of the logits' energy effective rank (90 %), clamped to [1, d / 4].
-    Why: real text concentrates each head's logit field into a few directions (the intrinsic rank); per-token metrics
-    of that rank can re-weight every direction the text uses, and a larger rank spends parameters on directions the
-    text does not excite. Returns r and the figures behind it (for the conversion report)."""
-    ranks = []
-    for _, logits in each_layer_logits(model, residual_stream(model, ids)):
-        ranks += energy_effective_rank(centre_rows(logits), threshold=threshold).flatten().tolist()
-    d = decoder(model).layers[0].self_attn.head_dim
-    median = float(torch.tensor(ranks, dtype=torch.float64).median())
-    rank = int(min(max(1, round(median)), max(1, d // 4)))
-    reason = {
-        "rule": f"median energy effective rank ({threshold:.0%}) of the attention logits on calibration text, "
-                f"clamped to [1, head_dim/4 = {max(1, d // 4)}]",
-        "median_text_energy_rank": median, "text_energy_rank": summarise(ranks), "head_dim": d,
-        "calibration_tokens": int(ids.numel()), "metric_rank": rank,
-    }
-    return rank, reason
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -237,13 +167,12 @@ def context_bins(n: int) -> list[tuple[int, int]]:
     return bins
 
 
-def entropy_by_context(model, states) -> dict:
-    """Mean attention entropy (nats, causal softmax, over samples and heads) per layer and context-length bin; the
-    uniform distribution's entropy log(c) is the ceiling at context length c."""
-    n = states[0].shape[1]
-    bins = context_bins(n)
+def entropy_by_context(model, ids: torch.Tensor) -> dict:
+    """Mean attention entropy (nats, causal softmax, over samples and heads) per layer and context-length bin on
+    ``ids``; the uniform distribution's entropy log(c) is the ceiling at context length c."""
+    bins = context_bins(ids.shape[1])
     per_layer = []
-    for _, logits in each_layer_logits(model, states):
+    for _, logits in each_layer_logits(model, ids):
         entropy = attention_entropy(_causal_probs(logits))  # (B, H, n)
         by_position = entropy.mean(dim=(0, 1))  # (n,): row i has context length i + 1
         per_layer.append([by_position[lo - 1 : hi].mean().item() for lo, hi in bins])
@@ -274,7 +203,7 @@ def geometry_report(model, ids: torch.Tensor, *, eps_values=None, norm_layers=No
         norms[key] = norm_lipschitz(module.weight, eps_values, data, seed)
         norms[key]["model_eps"] = float(getattr(module, "variance_epsilon", getattr(module, "eps", float("nan"))))
     return {"proxies": geometry_proxies(model, ids), "rmsnorm_lipschitz": norms,
-            "attention_entropy": entropy_by_context(model, states)}
+            "attention_entropy": entropy_by_context(model, ids)}
 
 
 def gate_ablation(model, eval_ids: torch.Tensor, batch_size: int = 8) -> dict | None:

@@ -476,26 +476,6 @@ def _kernel_mask(attention_mask, q_len, kv_len, hk, g, compute) -> MaskTerms:
     return mask if mask.additive is None else mask._replace(additive=mask.additive.to(compute))
 
 
-def blocked_geodesic_kernel(
-    prepared, key, value, scale, attention_mask=None, block_size=64, dropout: Dropout | None = None
-) -> torch.Tensor:
-    """Geodesic attention from ``prepare_geodesic_inputs``'s output; key, value (B, Hk, kv, d) (not repeated).
-    Returns the attention output (B, H, q, d) in value's dtype."""
-    query, factors, alpha, bias = prepared
-    b, hk, g, q_len, d = query.shape
-    mask = _kernel_mask(attention_mask, q_len, key.shape[2], hk, g, query.dtype)
-    inputs = (query, factors, alpha, bias, key, value)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
-        out = _BlockedGeodesicAttention.apply(*inputs, *mask, scale, block_size, dropout)
-    else:  # inference (generation): no autograd bookkeeping, no saved tensors
-        gq, factors_s, half_alpha, _ = _kernel_operands(query, factors, alpha, scale)
-        if q_len == 1 and dropout is None:
-            out = _decode_step(gq, factors_s, half_alpha, bias, key, value, mask)
-        else:
-            out = _blocked_forward(gq, factors_s, half_alpha, bias, key, value, mask, block_size, dropout)[0]
-    return out.to(value.dtype).view(b, hk * g, q_len, d)
-
-
 def _decode_step(gq, factors, half_alpha, bias, key, value, mask: MaskTerms):
     """One new token against the cache: the blocked forward's math for a single row, without the loop, the key-range
     search and the log-sum-exp (nothing is saved for a backward). Why: decoding is bound by the number of ops."""
@@ -508,21 +488,33 @@ def _decode_step(gq, factors, half_alpha, bias, key, value, mask: MaskTerms):
 
 
 def blocked_geodesic_attention(
-    query, factors, key, value, alpha, gamma, scale, attention_mask=None, block_size=64, dropout=None
+    query, factors, key, value, alpha, gamma, scale, attention_mask=None, block_size=64, dropout: Dropout | None = None
 ) -> torch.Tensor:
     """The default path: same function as ``reference_geodesic_attention``, extra memory O(n * block).
 
     query (B, H, q, d) after RoPE; factors (B, Hf, q, r, d) after RoPE, Hf = H (per head) or Hk (shared by each KV
-    group); key, value (B, Hk, kv, d) (not repeated); alpha, gamma (H,). Returns the attention output (B, H, q, d).
+    group); key, value (B, Hk, kv, d) (not repeated); alpha, gamma (H,); dropout from ``draw_dropout``. Returns the
+    attention output (B, H, q, d) in value's dtype.
     """
-    prepared = prepare_geodesic_inputs(query, factors, key, alpha, gamma, scale)
-    return blocked_geodesic_kernel(prepared, key, value, scale, attention_mask, block_size, dropout)
+    grouped_q, grouped_f, grouped_alpha, bias = prepare_geodesic_inputs(query, factors, key, alpha, gamma, scale)
+    b, hk, g, q_len, d = grouped_q.shape
+    mask = _kernel_mask(attention_mask, q_len, key.shape[2], hk, g, grouped_q.dtype)
+    inputs = (grouped_q, grouped_f, grouped_alpha, bias, key, value)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        out = _BlockedGeodesicAttention.apply(*inputs, *mask, scale, block_size, dropout)
+    else:  # inference (generation): no autograd bookkeeping, no saved tensors
+        gq, factors_s, half_alpha, _ = _kernel_operands(grouped_q, grouped_f, grouped_alpha, scale)
+        if q_len == 1 and dropout is None:
+            out = _decode_step(gq, factors_s, half_alpha, bias, key, value, mask)
+        else:
+            out = _blocked_forward(gq, factors_s, half_alpha, bias, key, value, mask, block_size, dropout)[0]
+    return out.to(value.dtype).view(b, hk * g, q_len, d)  # (B, Hk, g, q, d) -> (B, H, q, d)
 
 
 def blocked_attention_probs(
     query, factors, key, alpha, gamma, scale, attention_mask=None, block_size=64, dropout=None
 ) -> torch.Tensor:
-    """The attention probabilities (B, H, q, kv) of ``blocked_geodesic_kernel`` (for ``output_attentions``), built
+    """The attention probabilities (B, H, q, kv) of ``blocked_geodesic_attention`` (for ``output_attentions``), built
     from the kernel's own block functions over every key, after dropout (the same keep-masks), differentiable.
     Arguments as ``blocked_geodesic_attention``'s. Materialises q x kv per head, as LLaMA's eager attention does."""
     grouped_q, grouped_f, grouped_alpha, bias = prepare_geodesic_inputs(query, factors, key, alpha, gamma, scale)

@@ -45,14 +45,13 @@ from .fiber_attention import (
     anisotropy,
     apply_rotary,
     blocked_attention_probs,
-    blocked_geodesic_kernel,
+    blocked_geodesic_attention,
     bounded_factors,
     compute_dtype,
     curvature_proxy,
     draw_dropout,
     mask_terms,
     metric_gate,
-    prepare_geodesic_inputs,
     reference_geodesic_attention,
     rotate_factors,
     torsion_proxy,
@@ -112,6 +111,8 @@ class FiberBundleRotaryEmbedding(nn.Module):
             rope_init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
         inv_freq, self.attention_scaling = rope_init_fn(config)
         self.inv_freq = nn.Buffer(inv_freq, persistent=False)
+        # not dead: dynamic_rope_update reads it (dynamic types reset to it below the original length, longrope
+        # picks it as the short factors)
         self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
 
     @staticmethod
@@ -224,17 +225,17 @@ class FiberBundleMetric(nn.Module):
             )
             self.ffn_gate = nn.Parameter(torch.zeros(()))  # phi
 
-    def forward(self, normed_hidden: torch.Tensor, part: str = "all") -> FiberState:
-        """The layer's metric field for ``part`` in {"attention", "ffn", "all"} (the others are None)."""
+    def forward(self, normed_hidden: torch.Tensor) -> FiberState:
+        """The layer's metric field: every token's factors and the gates (None for a part whose rank is 0)."""
         b, n, _ = normed_hidden.shape
         code = self.code_act(self.code_proj(normed_hidden))  # z: (B, n, m)
         attn_factors = alpha = gamma = ffn_factors = beta = None
-        if self.metric_rank > 0 and part != "ffn":
+        if self.metric_rank > 0:
             raw = self.attn_factor_proj(code).view(b, n, self.factor_heads, self.metric_rank, self.head_dim)
             attn_factors = bounded_factors(raw.transpose(1, 2))  # (B, Hf, n, r, d)
             alpha = metric_gate(self.attn_gate)
             gamma = self.flatness_gate
-        if self.ffn_metric_rank > 0 and part != "attention":
+        if self.ffn_metric_rank > 0:
             raw = self.ffn_factor_proj(code).view(b, n, self.ffn_metric_rank, self.hidden_size)
             ffn_factors = bounded_factors(raw)  # (B, n, r_f, D)
             beta = metric_gate(self.ffn_gate)
@@ -252,9 +253,60 @@ def expand_factors(factors: torch.Tensor, num_heads: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------------------------
 # Attention, decoder layer
 # ----------------------------------------------------------------------------------------------------------------------
+def geodesic_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *,
+    scaling: float,
+    dropout: float = 0.0,
+    factors: torch.Tensor,
+    alpha: torch.Tensor,
+    gamma: torch.Tensor,
+    output_attentions: bool = False,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Geodesic attention (DESIGN 1.2) as an attention function with transformers' signature (``eager_attention_forward``
+    and every ``ALL_ATTENTION_FUNCTIONS`` entry), the geometry passed as keywords.
+
+    query (B, H, q, d) and key, value (B, Hk, kv, d) after RoPE and the cache update; factors (B, Hf, q, r, d), each
+    query token's factors turned with its pure rotation (``rotate_factors``), Hf = H or Hk; alpha, gamma (H,).
+    ``module`` gives the GQA group size (``num_key_value_groups``) and, through its config, the path
+    (``fiber_attention_path``) and the query block (``attention_block_size``). Returns the output (B, q, H, d) and the
+    probabilities (B, H, q, kv), or None where the blocked path does not build them (``output_attentions`` False).
+    """
+    config = module.config
+    groups = module.num_key_value_groups
+    if config.fiber_attention_path == "reference":
+        # the readable path: every query head with its own factors, keys and values; materialises (B, H, q, r, kv)
+        attn_output, attn_weights = reference_geodesic_attention(
+            query, expand_factors(factors, query.shape[1]), repeat_kv(key, groups), repeat_kv(value, groups),
+            alpha, gamma, scaling, attention_mask, dropout, module.training,
+        )
+    elif output_attentions:
+        # the probabilities are asked for: materialise them (as eager attention does) and compute the output from them,
+        # so that they carry the gradient of everything downstream
+        attn_weights = blocked_attention_probs(
+            query, factors, key, alpha, gamma, scaling, attention_mask, config.attention_block_size,
+            draw_dropout(dropout),
+        )
+        attn_output = torch.matmul(attn_weights, repeat_kv(value, groups))  # (B, H, q, d)
+    else:
+        # the default: extra memory O(q x block), shared KV-group factors unexpanded (U_i^T k_j once per group)
+        attn_weights = None
+        attn_output = blocked_geodesic_attention(
+            query, factors, key, value, alpha, gamma, scaling, attention_mask, config.attention_block_size,
+            draw_dropout(dropout),
+        )
+    return attn_output.transpose(1, 2).contiguous(), attn_weights  # (B, q, H, d)
+
+
 class FiberBundleAttention(nn.Module):
-    """Grouped-query attention whose scores are geodesic distances in the query token's metric (metric_rank > 0), or the
-    backbone's own attention through transformers' attention interface (metric_rank == 0)."""
+    """Grouped-query attention whose scores are geodesic distances in the query token's metric (a layer with attention
+    factors: ``geodesic_attention_forward``), or the backbone's own attention through transformers' attention interface
+    (metric_rank == 0)."""
 
     def __init__(self, config: FiberBundleConfig, layer_idx: int):
         super().__init__()
@@ -285,20 +337,19 @@ class FiberBundleAttention(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
-        factor_rotation: tuple[torch.Tensor, torch.Tensor] | None = None,
-        fiber: "FiberBundleMetric | None" = None,
         fiber_state: FiberState | None = None,
+        factor_rotation: tuple[torch.Tensor, torch.Tensor] | None = None,
         output_attentions: bool = False,
         output_geometry: bool = False,
         token_mask: torch.Tensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None, dict | None]:
-        """``hidden_states`` is the layer's normalised input, from which ``fiber`` (the layer's metric module, None for
-        the backbone's attention) generates each token's metric; ``fiber_state`` is that metric when the layer has
-        already computed it (it is recomputed here when the backward is to recompute it). ``position_embeddings`` turn
-        q and k as the backbone does; ``factor_rotation`` (the pure rotation, ``FiberBundleRotaryEmbedding.
-        factor_rotation``) turns the metric factors."""
-        geodesic = fiber is not None and self.config.metric_rank > 0
+        """``hidden_states`` is the layer's normalised input and ``fiber_state`` the layer's metric field
+        (``FiberBundleDecoderLayer.fiber_state``; None, or no attention factors, for the backbone's attention).
+        ``position_embeddings`` turn q and k as the backbone does; ``factor_rotation`` (the pure rotation,
+        ``FiberBundleRotaryEmbedding.factor_rotation``) turns the metric factors. Returns the attention output
+        (B, n, D), the probabilities when ``output_attentions``, and the geometry proxies when ``output_geometry``."""
+        geodesic = fiber_state is not None and fiber_state.attn_factors is not None
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         query_states = self.q_proj(hidden_states).view(hidden_shape)  # (B, n, H, d)
@@ -311,11 +362,10 @@ class FiberBundleAttention(nn.Module):
         geometry = None
         if output_geometry and geodesic:
             # measured in each token's own frame (before RoPE), where a homogeneous metric is one constant matrix
-            state = fiber_state if fiber_state is not None else fiber(hidden_states, "attention")
             geometry = layer_geometry(
-                expand_factors(state.attn_factors, self.num_heads),
-                repeat_kv(key_states, self.num_key_value_groups),
-                state.alpha,
+                expand_factors(fiber_state.attn_factors, self.num_heads),  # (B, H, n, r, d)
+                repeat_kv(key_states, self.num_key_value_groups),  # (B, H, n, d)
+                fiber_state.alpha,
                 self.config.geometry_block_size,
                 token_mask,
             )
@@ -326,79 +376,37 @@ class FiberBundleAttention(nn.Module):
         if cache is not None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
 
-        dropout = self.attention_dropout if self.training else 0.0
-        if not geodesic:
-            attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-                self.config._attn_implementation, eager_attention_forward
-            )
-            kwargs.pop("output_attentions", None)
-            attn_output, attn_weights = attention_interface(
-                self,
-                query_states,
-                key_states,
-                value_states,
-                attention_mask,
-                dropout=dropout,
-                scaling=self.scaling,
-                sliding_window=self.sliding_window,
-                **kwargs,
-            )
-        else:
+        geometry_kwargs = {}
+        if geodesic:
             if factor_rotation is None:
                 raise ValueError("FiberBundleAttention needs factor_rotation (FiberBundleRotaryEmbedding.factor_rotation)"
                                  " to turn the metric factors; FiberBundleModel passes it to every layer.")
-            attn_output, attn_weights = self._geodesic_attention(
-                hidden_states, query_states, key_states, value_states, attention_mask, fiber, fiber_state,
-                factor_rotation, dropout, output_attentions,
+            attention_interface: Callable = geodesic_attention_forward
+            geometry_kwargs = {
+                # turned with the query's pure rotation: U_i^T R_i^T R_j k_j then depends on j - i only
+                "factors": rotate_factors(fiber_state.attn_factors, *factor_rotation),  # (B, Hf, n, r, d)
+                "alpha": fiber_state.alpha,
+                "gamma": fiber_state.gamma,
+                "output_attentions": output_attentions,  # the blocked path builds the probabilities only when asked
+            }
+        else:
+            attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+                self.config._attn_implementation, eager_attention_forward
             )
-            attn_output = attn_output.transpose(1, 2)  # (B, n, H, d)
-        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        attn_output, attn_weights = attention_interface(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask,
+            dropout=self.attention_dropout if self.training else 0.0,
+            scaling=self.scaling,
+            sliding_window=self.sliding_window,
+            **geometry_kwargs,
+            **kwargs,
+        )
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()  # (B, n, H, d) -> (B, n, H*d)
         return self.o_proj(attn_output), (attn_weights if output_attentions else None), geometry
-
-    def _geodesic_attention(self, normed, query, key, value, attention_mask, fiber, fiber_state, rotation, dropout,
-                            output_attentions):
-        block = self.config.attention_block_size
-
-        def metric(normed):  # this layer's factors, turned with the query's pure rotation (relative positions only)
-            state = fiber_state if fiber_state is not None else fiber(normed, "attention")
-            return state, rotate_factors(state.attn_factors, *rotation)  # (B, Hf, n, r, d)
-
-        if self.config.fiber_attention_path == "reference":
-            state, factors = metric(normed)
-            return reference_geodesic_attention(
-                query, expand_factors(factors, self.num_heads), repeat_kv(key, self.num_key_value_groups),
-                repeat_kv(value, self.num_key_value_groups), state.alpha, state.gamma, self.scaling, attention_mask,
-                dropout, True,
-            )
-
-        def prepare(normed, query, key):
-            state, factors = metric(normed)
-            # shared KV-group factors stay unexpanded: U_i^T k_j is then computed once per group
-            return prepare_geodesic_inputs(query, factors, key, state.alpha, state.gamma, self.scaling)
-
-        drop = draw_dropout(dropout)
-        if output_attentions:  # the probabilities are asked for: materialise them (as eager attention does) and
-            # compute the output from them, so that they carry the gradient of everything downstream
-            state, factors = metric(normed)
-            probs = blocked_attention_probs(
-                query, factors, key, state.alpha, state.gamma, self.scaling, attention_mask, block, drop
-            )
-            return torch.matmul(probs, repeat_kv(value, self.num_key_value_groups)), probs
-        prepared = _maybe_recompute(self.config, prepare, normed, query, key)
-        return blocked_geodesic_kernel(prepared, key, value, self.scaling, attention_mask, block, drop), None
-
-
-def _recomputes(config) -> bool:
-    """Whether the O(n d r) geometry is recomputed in the backward (training with ``geometry_recompute``)."""
-    return config.geometry_recompute and torch.is_grad_enabled()
-
-
-def _maybe_recompute(config, function, *args):
-    """Run ``function``; when ``_recomputes``, keep only its inputs for the backward and recompute its intermediates
-    there (torch.utils.checkpoint)."""
-    if _recomputes(config):
-        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
-    return function(*args)
 
 
 def layer_geometry(factors, keys, alpha, block_size, token_mask=None) -> dict[str, torch.Tensor]:
@@ -418,10 +426,22 @@ class FiberBundleDecoderLayer(GradientCheckpointingLayer):
         self.mlp = FiberBundleMLP(config)
         self.input_layernorm = FiberBundleRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = FiberBundleRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.ffn_metric_rank = config.ffn_metric_rank
         self.config = config
         if config.metric_rank > 0 or config.ffn_metric_rank > 0:
             self.fiber = FiberBundleMetric(config)
+
+    def fiber_state(self, normed: torch.Tensor) -> FiberState | None:
+        """This layer's metric field, built once per forward for attention and MLP; None for a layer without ``fiber``.
+
+        In training with ``config.geometry_recompute`` it is checkpointed as a whole: the backward keeps only its input
+        and recomputes the O(n d r) intermediates (code, raw factors, bounded map) there. What the consumers' backwards read
+        stays: the turned attention factors (the kernel's input) and the MLP factors (the Woodbury step's)."""
+        fiber = getattr(self, "fiber", None)
+        if fiber is None:
+            return None
+        if self.config.geometry_recompute and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(fiber, normed, use_reentrant=False)
+        return fiber(normed)
 
     def forward(
         self,
@@ -439,9 +459,7 @@ class FiberBundleDecoderLayer(GradientCheckpointingLayer):
     ) -> tuple[torch.Tensor, torch.Tensor | None, dict | None]:
         residual = hidden_states
         normed = self.input_layernorm(hidden_states)
-        fiber = getattr(self, "fiber", None)
-        # without a recomputing backward, generate the metric once for attention and MLP (cheapest for decoding)
-        fiber_state = fiber(normed) if fiber is not None and not _recomputes(self.config) else None
+        state = self.fiber_state(normed)
         hidden_states, attn_weights, geometry = self.self_attn(
             normed,
             position_embeddings=position_embeddings,
@@ -449,9 +467,8 @@ class FiberBundleDecoderLayer(GradientCheckpointingLayer):
             position_ids=position_ids,
             cache=cache,
             use_cache=use_cache,
+            fiber_state=state,
             factor_rotation=factor_rotation,
-            fiber=fiber,
-            fiber_state=fiber_state,
             output_attentions=output_attentions,
             output_geometry=output_geometry,
             token_mask=token_mask,
@@ -461,16 +478,11 @@ class FiberBundleDecoderLayer(GradientCheckpointingLayer):
 
         residual = hidden_states
         update = self.mlp(self.post_attention_layernorm(hidden_states))
-        if fiber is not None and self.ffn_metric_rank > 0:
+        if state is not None and state.ffn_factors is not None:
             # metric-preconditioned step: x <- x + M^{-1} MLP(RMSNorm(x)), Woodbury inverse, never D x D
-            def precondition(normed, update):
-                state = fiber_state if fiber_state is not None else fiber(normed, "ffn")
-                return woodbury_precondition(update, state.ffn_factors, state.beta)
-
-            update = _maybe_recompute(self.config, precondition, normed, update)
+            update = woodbury_precondition(update, state.ffn_factors, state.beta)
         hidden_states = residual + update
         return hidden_states, attn_weights, geometry
-
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Pretrained model classes

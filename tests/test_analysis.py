@@ -3,11 +3,12 @@ against the models' own attention, and each ``fiber-bundle analyze`` subcommand 
 
 import json
 import math
+import sys
 from dataclasses import replace
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from conftest import TINY, random_ids, set_gates, tiny_model
 from fiber_bundle.analysis import measures, probes
@@ -151,10 +152,15 @@ def test_riemannian_stack_layer_is_the_geodesic_score_in_the_query_metric():
 # ----------------------------------------------------------------------------------------------------------------------
 # real-model probes against the models' own computations
 # ----------------------------------------------------------------------------------------------------------------------
-def tiny_llama(seed=0):
+def tiny_transformers_model(config_cls=LlamaConfig, model_cls=LlamaForCausalLM, seed=0):
+    """One of transformers' own causal LMs on the tiny shape, eager attention, float64."""
     torch.manual_seed(seed)
     fields = {k: v for k, v in TINY.items() if k not in ("rms_norm_eps",)}
-    return LlamaForCausalLM(LlamaConfig(**fields, attn_implementation="eager")).to(torch.float64).eval()
+    return model_cls(config_cls(**fields, attn_implementation="eager")).to(torch.float64).eval()
+
+
+def tiny_llama(seed=0):
+    return tiny_transformers_model(seed=seed)
 
 
 @pytest.mark.parametrize("which", ["fiber", "llama"])
@@ -165,10 +171,47 @@ def test_layer_logits_are_the_models_own_attention(which):
         out = model(ids, output_attentions=True, output_hidden_states=True)
     states = probes.residual_stream(model, ids)
     assert len(states) == model.config.num_hidden_layers + 1
+    logits = dict(probes.each_layer_logits(model, ids))
     for i in range(model.config.num_hidden_layers):
         assert torch.allclose(states[i], out.hidden_states[i], atol=1e-12)
-        probs = probes._causal_probs(probes.layer_logits(model, i, states[i]))
+        probs = probes._causal_probs(logits[i])
         assert torch.allclose(probs, out.attentions[i].to(probs.dtype), atol=1e-10)
+
+
+@pytest.mark.parametrize("which", ["fiber-blocked", "fiber-per-head-qk-norm", "llama-sdpa", "qwen3"])
+def test_probe_logits_are_the_scores_the_attention_used(which):
+    """softmax(probe logits + causal mask) equals the probabilities each layer's attention returned
+    (output_attentions): the default blocked path with the metric awake (KV-group and per-head factors, q/k norm), and
+    transformers' own classes; the probe leaves the attention implementation and functions as it found them."""
+    from fiber_bundle.conversion.rank import attention_calls
+    from modeling_fiber_bundle import modeling_fiber_bundle as modeling
+
+    if which.startswith("fiber"):
+        extra = {} if which == "fiber-blocked" else dict(metric_factor_sharing="head", qk_norm=True)
+        model = set_gates(tiny_model(attention_block_size=5, **extra))
+        tolerance = dict(rtol=1e-10, atol=1e-12)
+    else:
+        model = tiny_transformers_model(Qwen3Config, Qwen3ForCausalLM) if which == "qwen3" else tiny_llama()
+        tolerance = dict(rtol=1e-6, atol=1e-8)  # transformers' eager attention takes its softmax in float32
+    ids = random_ids(2, 24)
+    with torch.no_grad():
+        expected = model(ids, output_attentions=True).attentions
+    if which == "llama-sdpa":
+        model.set_attn_implementation("sdpa")  # returns no probabilities: the probe runs eager meanwhile
+    implementation = model.config._attn_implementation
+    own_file = sys.modules[type(model.model.layers[0].self_attn).__module__]  # modeling_llama, _qwen3 or ours
+
+    def functions():
+        return modeling.geodesic_attention_forward, modeling.eager_attention_forward, own_file.eager_attention_forward
+
+    before = functions()
+    calls = attention_calls(model, ids)
+    assert len(calls) == model.config.num_hidden_layers
+    for call, probs in zip(calls, expected):
+        assert (call.factors is not None) == which.startswith("fiber")
+        torch.testing.assert_close(probes._causal_probs(call.logits()), probs, **tolerance)
+    assert model.config._attn_implementation == implementation
+    assert functions() == before
 
 
 def test_interaction_spectrum_is_that_of_wq_transpose_wk():

@@ -9,7 +9,7 @@ from transformers import AutoModel, AutoModelForCausalLM, CompileConfig, LlamaCo
 from conftest import SOURCE_FAMILIES, TINY, geometry_step_change, random_ids, set_gates, tiny_config, tiny_model
 from modeling_fiber_bundle import FiberBundleConfig, FiberBundleForCausalLM, FiberBundleModel
 from modeling_fiber_bundle import modeling_fiber_bundle as modeling
-from modeling_fiber_bundle.fiber_attention import metric_gram
+from modeling_fiber_bundle.fiber_attention import metric_gram, reference_geodesic_attention
 
 F64 = torch.float64
 BACKBONE_KEYS = {k: v for k, v in TINY.items() if k not in ("pad_token_id",)}
@@ -154,6 +154,46 @@ def test_flex_attention_masks_are_read_like_the_others(name):
     real = mask.bool()
     torch.testing.assert_close(flex[real], sdpa[real], rtol=1e-5, atol=1e-5)
     assert not generate or torch.equal(flex_tokens, sdpa_tokens)
+
+
+@pytest.mark.parametrize("path", ["blocked", "reference"])
+def test_geodesic_attention_function_has_transformers_signature_and_is_the_layers_attention(path):
+    """geodesic_attention_forward(module, query, key, value, attention_mask, *, scaling, dropout, factors, alpha, gamma)
+    -> (attn_output (B, n, H, d), attn_weights), as transformers' attention functions: called directly on the inputs
+    the layer builds (projections, RoPE, turned factors), it gives the layer's attention output."""
+    model = set_gates(tiny_model(fiber_attention_path=path, attention_block_size=4))
+    layer = model.model.layers[0]
+    attn = layer.self_attn
+    b, n, d = 2, 9, TINY["head_dim"]
+    hidden = torch.randn(b, n, TINY["hidden_size"], dtype=F64, generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(n)[None].expand(b, -1)
+    cos, sin = model.model.rotary_emb(hidden, positions)
+    rotation = model.model.rotary_emb.factor_rotation(hidden, positions)
+    with torch.no_grad():
+        state = layer.fiber_state(hidden)
+        expected, _, _ = attn(hidden, position_embeddings=(cos, sin), fiber_state=state, factor_rotation=rotation)
+        query = modeling.apply_rotary(attn.q_proj(hidden).view(b, n, -1, d).transpose(1, 2), cos[:, None], sin[:, None])
+        key = modeling.apply_rotary(attn.k_proj(hidden).view(b, n, -1, d).transpose(1, 2), cos[:, None], sin[:, None])
+        value = attn.v_proj(hidden).view(b, n, -1, d).transpose(1, 2)  # (B, Hk, n, d)
+        geometry = dict(factors=modeling.rotate_factors(state.attn_factors, *rotation), alpha=state.alpha,
+                        gamma=state.gamma)
+        out, weights = modeling.geodesic_attention_forward(attn, query, key, value, None, scaling=attn.scaling,
+                                                           dropout=0.0, **geometry)
+        assert out.shape == (b, n, TINY["num_attention_heads"], d)
+        groups = attn.num_key_value_groups  # and it is the geodesic attention of those inputs, written out
+        reference, _ = reference_geodesic_attention(
+            query, modeling.expand_factors(geometry["factors"], TINY["num_attention_heads"]),
+            modeling.repeat_kv(key, groups), modeling.repeat_kv(value, groups), state.alpha, state.gamma, attn.scaling)
+        torch.testing.assert_close(out, reference.transpose(1, 2), rtol=1e-10, atol=1e-12)
+        assert (weights is None) == (path == "blocked")  # the blocked path builds probabilities only when asked
+        torch.testing.assert_close(attn.o_proj(out.reshape(b, n, -1)), expected, rtol=1e-12, atol=1e-12)
+        with_probs, probs = modeling.geodesic_attention_forward(attn, query, key, value, None, scaling=attn.scaling,
+                                                                dropout=0.0, output_attentions=True, **geometry)
+    torch.testing.assert_close(with_probs, out, rtol=1e-12, atol=1e-12)
+    assert probs.shape == (b, TINY["num_attention_heads"], n, n) and probs.triu(1).abs().max() == 0
+    torch.testing.assert_close(probs.sum(-1), torch.ones(b, TINY["num_attention_heads"], n, dtype=F64))
+    with pytest.raises(TypeError, match="factors"):  # the geometry is required, by name
+        modeling.geodesic_attention_forward(attn, query, key, value, None, scaling=attn.scaling, dropout=0.0)
 
 
 def test_geometry_changes_the_function_when_gates_move():
