@@ -55,9 +55,13 @@ def train_model(model, train_dataset, args=None, *, eval_dataset=None, probe_ids
 
 def build_trainer(model, train_dataset, args: FiberBundleTrainingArguments, *, eval_dataset=None, probe_ids=None):
     """The Trainer of ``train_model``, before it trains: ``model`` prepared for ``args.mode`` (seeded first, as LoRA's
-    A matrices are drawn there), the optimiser ``args.optimizer`` names, and the console output ``args`` asks for."""
+    A matrices are drawn there) with the regularisers' weights ``args`` sets, the optimiser ``args.optimizer`` names,
+    and the console output ``args`` asks for."""
     if args.output_dir is None:
         raise TrainingError("output_dir is not set: pass the folder for the Trainer's checkpoints.")
+    for name in ("curvature_weight", "torsion_weight"):  # the regularisers' weights live in the model's config
+        if getattr(args, name) is not None:
+            setattr(model.config, name, getattr(args, name))
     set_seed(args.seed)  # why: LoRA's A matrices are drawn in prepare_for_training, before the Trainer seeds anything
     model = prepare_for_training(model, args.mode, lora_r=args.lora_r)
     if probe_ids is None and len(train_dataset):
@@ -71,7 +75,7 @@ def build_trainer(model, train_dataset, args: FiberBundleTrainingArguments, *, e
                                       block=args.block, retraction=args.retraction,
                                       betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon), None)
     elif args.metric_learning_rate is not None:
-        optimizers = (_two_rate_adamw(model, args, args.metric_learning_rate), None)  # the Trainer adds its scheduler
+        optimizers = (_two_rate_adamw(model, args), None)  # the Trainer adds its scheduler
     trainer = GeometryLoggingTrainer(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                                      data_collator=default_data_collator, probe_ids=probe_ids, optimizers=optimizers)
     _console(trainer)
@@ -95,13 +99,13 @@ def _console(trainer) -> None:
         trainer.add_callback(_ProgressBarOnly)
 
 
-def _two_rate_adamw(model, args: TrainingArguments, metric_learning_rate: float) -> torch.optim.AdamW:
+def _two_rate_adamw(model, args: FiberBundleTrainingArguments) -> torch.optim.AdamW:
     """AdamW with the Trainer's hyper-parameters, the metric parameters in their own group at their own rate."""
     metric, rest = [], []
     for name, param in model.named_parameters():
         if param.requires_grad:
             (metric if is_geometry_parameter(name) else rest).append(param)
-    groups = [{"params": rest, "lr": args.learning_rate}, {"params": metric, "lr": metric_learning_rate}]
+    groups = [{"params": rest, "lr": args.learning_rate}, {"params": metric, "lr": args.metric_learning_rate}]
     return torch.optim.AdamW([g for g in groups if g["params"]], betas=(args.adam_beta1, args.adam_beta2),
                              eps=args.adam_epsilon, weight_decay=args.weight_decay)
 
@@ -180,9 +184,6 @@ def run_training(model_path: str | Path, output: str | Path, args: FiberBundleTr
     model = FiberBundleForCausalLM.from_pretrained(model_path)
     if earlier_checkpoints:  # every check has passed: only now are they removed
         start_again(output)
-    for name in ("curvature_weight", "torsion_weight"):
-        if getattr(args, name) is not None:
-            setattr(model.config, name, getattr(args, name))
     trainer = build_trainer(model, train_set, args, eval_dataset=eval_set)
     before = trainer.evaluate()["eval_loss"] if eval_set is not None else None
     trainer.train(resume_from_checkpoint=args.checkpoint_to_resume)
