@@ -2,8 +2,9 @@
 Every subcommand writes a JSON file of figures and a PNG plot into --out."""
 
 import argparse
-import sys
 from pathlib import Path
+
+from fiber_bundle.conversion.cli import report_failure
 
 
 def _compare(args) -> int:
@@ -124,23 +125,55 @@ def _model_arguments(parser, *, required: bool) -> None:
     parser.add_argument("--out", required=True, help="folder for the JSON figures and the PNG plot")
 
 
-def add_analyze_parser(commands) -> None:
-    """Register ``analyze`` and its subcommands on the ``fiber-bundle`` parser's subparsers."""
+# subcommand -> (one-line help, description)
+SUBCOMMANDS = {
+    "collapse": (
+        "relative residual ||X - 1x^T||/||X|| per layer: pure-attention stacks and real models",
+        "(a) Pure-attention stacks (no MLP, no norm; with and without skip connections, bidirectional and causal) at "
+        "random initialisation, Euclidean vs Riemannian attention over many seeds; (b) MODELS on real text. Without "
+        "MODELS only (a) runs."),
+    "intrinsic-rank": (
+        "energy effective rank of attention logits and W_Q^T W_K; numerical rank of scores",
+        "Per layer and head, in float64: the energy effective rank of the row-centred pre-softmax logit matrix on "
+        "sample text and of W_Q^T W_K, and the numerical rank of the score matrix (a dot-product head is a Gram matrix "
+        "of rank <= d; a heterogeneous metric exceeds d + 1)."),
+    "geometry": (
+        "curvature / torsion / anisotropy per layer, RMSNorm Lipschitz vs eps, attention entropy",
+        "Connection proxies per layer (Fiber Bundle models), RMSNorm's Lipschitz constant versus eps with the fitted "
+        "exponent and R^2 (prediction -1/2), and attention entropy versus context length."),
+    "compare": (
+        "metric-only training vs equal-parameter LoRA on the source vs LoRA + metric",
+        "Train each arm on the same token budget of pydoc topics with several seeds; report held-out eval loss (mean "
+        "± std), wall time and the geometry at the end."),
+    "optimizers": (
+        "Riemannian optimisers vs AdamW, each at its best swept learning rate",
+        "For each optimiser: a learning-rate sweep on the first seed (a grid, extended while the best rate is at its "
+        "edge, then the geometric midpoints around the best), the best rate re-run on every seed; held-out eval loss "
+        "(mean ± std, and minus AdamW's paired by seed) and seconds per step relative to AdamW. The Riemannian "
+        "optimisers train the factored pairs; the other parameters use AdamW at AdamW's best rate. A rerun continues "
+        "a stopped comparison."),
+}
+
+
+def analyze_parser() -> argparse.ArgumentParser:
     from fiber_bundle.training.riemannian import OPTIMIZERS
 
-    analyze = commands.add_parser(
-        "analyze", help="measure rank collapse, intrinsic rank and the geometry; compare with LoRA",
+    parser = argparse.ArgumentParser(
+        prog="fiber-bundle analyze",
         description="Measurements of the open problem (rank collapse), each writing JSON figures and a PNG plot.",
     )
-    sub = analyze.add_subparsers(dest="analysis", required=True)
+    sub = parser.add_subparsers(dest="analysis", required=True)
 
-    collapse = sub.add_parser(
-        "collapse", help="relative residual ||X - 1x^T||/||X|| per layer: pure-attention stacks and real models",
-        description="(a) Pure-attention stacks (no MLP, no norm; with and without skip connections, bidirectional and "
-                    "causal) at random initialisation, Euclidean vs Riemannian attention over many seeds; (b) MODELS on "
-                    "real text. Without MODELS only (a) runs.",
-    )
-    _model_arguments(collapse, required=False)
+    def command(name: str, handler, *, models: bool | None = None) -> argparse.ArgumentParser:
+        """The parser of subcommand ``name``, running ``handler``; ``models``: MODELS required (True) or optional."""
+        summary, description = SUBCOMMANDS[name]
+        found = sub.add_parser(name, help=summary, description=description)
+        if models is not None:
+            _model_arguments(found, required=models)
+        found.set_defaults(handler=_run(handler))
+        return found
+
+    collapse = command("collapse", _collapse, models=False)
     collapse.add_argument("--seeds", type=int, default=20, help="random stacks per configuration")
     collapse.add_argument("--depth", type=int, default=32, help="layers of each stack")
     collapse.add_argument("--width", type=int, default=64, help="model width D of the stacks")
@@ -153,25 +186,12 @@ def add_analyze_parser(commands) -> None:
     collapse.add_argument("--threshold", type=float, default=1e-3,
                           help="report the first depth at which the residual falls below this")
     collapse.add_argument("--no-stacks", action="store_true", help="measure only MODELS, not the random stacks")
-    collapse.set_defaults(handler=_run(_collapse))
 
-    rank = sub.add_parser(
-        "intrinsic-rank", help="energy effective rank of attention logits and W_Q^T W_K; numerical rank of scores",
-        description="Per layer and head, in float64: the energy effective rank of the row-centred pre-softmax logit "
-                    "matrix on sample text and of W_Q^T W_K, and the numerical rank of the score matrix (a dot-product "
-                    "head is a Gram matrix of rank <= d; a heterogeneous metric exceeds d + 1).",
-    )
-    _model_arguments(rank, required=True)
+    rank = command("intrinsic-rank", _intrinsic_rank, models=True)
     rank.add_argument("--threshold", type=float, default=0.9, help="energy fraction of the effective rank")
     rank.add_argument("--rtol", type=float, default=1e-10, help="relative tolerance of the numerical rank")
-    rank.set_defaults(handler=_run(_intrinsic_rank))
 
-    geometry = sub.add_parser(
-        "geometry", help="curvature / torsion / anisotropy per layer, RMSNorm Lipschitz vs eps, attention entropy",
-        description="Connection proxies per layer (Fiber Bundle models), RMSNorm's Lipschitz constant versus eps "
-                    "with the fitted exponent and R^2 (prediction -1/2), and attention entropy versus context length.",
-    )
-    _model_arguments(geometry, required=True)
+    geometry = command("geometry", _geometry, models=True)
     geometry.add_argument("--eps", type=float, nargs="+", default=None,
                           help="RMSNorm eps values of the sweep (default: 10 values from 1e-10 to 1e-1)")
     geometry.add_argument("--norm-layers", type=int, nargs="+", default=None,
@@ -180,13 +200,8 @@ def add_analyze_parser(commands) -> None:
     geometry.add_argument("--ablation-blocks", type=int, default=0,
                           help="also score the model on this many held-out 256-token blocks (the main job's eval "
                                "split) with the attention metric, the MLP metric and both switched off (0: skip)")
-    geometry.set_defaults(handler=_run(_geometry))
 
-    compare = sub.add_parser(
-        "compare", help="metric-only training vs equal-parameter LoRA on the source vs LoRA + metric",
-        description="Train each arm on the same token budget of pydoc topics with several seeds; report held-out "
-                    "eval loss (mean ± std), wall time and the geometry at the end.",
-    )
+    compare = command("compare", _compare)
     compare.add_argument("converted", help="a Fiber Bundle folder converted from SOURCE")
     compare.add_argument("source", help="the unconverted checkpoint: a folder, a Hub id or a .gguf file")
     compare.add_argument("--out", required=True, help="folder for compare.json and compare.png")
@@ -203,16 +218,8 @@ def add_analyze_parser(commands) -> None:
                          help="LoRA rank (default: the rank that trains as many parameters as the metric)")
     compare.add_argument("--eval-blocks", type=int, default=None,
                          help="score on the first N held-out blocks only (default: all)")
-    compare.set_defaults(handler=_run(_compare))
 
-    optimizers = sub.add_parser(
-        "optimizers", help="Riemannian optimisers vs AdamW, each at its best swept learning rate",
-        description="For each optimiser: a learning-rate sweep on the first seed (a grid, extended while the best "
-                    "rate is at its edge, then the geometric midpoints around the best), the best rate re-run on every "
-                    "seed; held-out eval loss (mean ± std, and minus AdamW's paired by seed) and seconds per step "
-                    "relative to AdamW. The Riemannian optimisers train the factored pairs; the "
-                    "other parameters use AdamW at AdamW's best rate. A rerun continues a stopped comparison.",
-    )
+    optimizers = command("optimizers", _optimizers)
     optimizers.add_argument("converted", help="a converted Fiber Bundle folder (its metric at the graft value)")
     optimizers.add_argument("--out", required=True, help="folder for optimizers.json")
     optimizers.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=list(OPTIMIZERS),
@@ -233,7 +240,7 @@ def add_analyze_parser(commands) -> None:
     optimizers.add_argument("--adamw-learning-rate", type=float, default=None,
                             help="AdamW rate of the non-factored parameters when adamw is not among --optimizers "
                                  "(default: AdamW's best rate already in OUT's results, else 3e-2)")
-    optimizers.set_defaults(handler=_run(_optimizers))
+    return parser
 
 
 def _run(handler):
@@ -243,14 +250,11 @@ def _run(handler):
         try:
             return handler(args)
         except (ValueError, FileNotFoundError, OSError) as error:
-            print(f"fiber-bundle analyze {args.analysis}: error: {error}", file=sys.stderr)
-            return 1
+            return report_failure(f"analyze {args.analysis}", error, traceback=False)
 
     return wrapped
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fiber-bundle")
-    add_analyze_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
+def analyze(argv: list[str]) -> int:
+    args = analyze_parser().parse_args(argv)
     return args.handler(args)

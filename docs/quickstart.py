@@ -8,8 +8,8 @@
    conversion_report.json; the folder gets its model card);
 3. loads the result in a fresh Python process where this project cannot be imported, with
    ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)``, and asks it a question;
-4. fine-tunes only the metric (backbone frozen) on Python's own pydoc topics, split by topic, and prints the held-out
-   eval loss before and after, the learned geometry and a generation sample;
+4. fine-tunes only the metric (backbone frozen) on Python's own pydoc topics, split by topic, with a progress bar, and
+   prints the held-out eval loss before and after, the learned geometry and a generation sample;
 5. checks the trained folder and renders its model card as ``fiber-bundle publish --dry-run`` does (no upload).
 """
 
@@ -81,15 +81,18 @@ def main() -> None:
     if args.train_steps <= 0:
         return
 
+    from fiber_bundle.training.arguments import FiberBundleTrainingArguments
     from fiber_bundle.training.publish import publish
     from fiber_bundle.training.trainer import run_training
 
     trained = args.out.parent / f"{args.out.name}-metric"
     started = time.perf_counter()
-    result = run_training(args.out, trained, mode="metric-only", block_size=256, max_steps=args.train_steps,
-                          learning_rate=args.learning_rate, batch_size=8, seed=0, quiet=True, overwrite=args.overwrite)
-    print(f"metric-only fine-tuning, {result['steps']} steps of 8 x 256 tokens of pydoc topics "
-          f"({time.perf_counter() - started:.0f} s):")
+    print(f"metric-only fine-tuning, {args.train_steps} steps (progress below: held-out evaluation, training, "
+          "evaluation again):")
+    result = run_training(args.out, trained, FiberBundleTrainingArguments(
+        mode="metric-only", block_size=256, max_steps=args.train_steps, learning_rate=args.learning_rate, batch_size=8,
+        seed=0, overwrite=args.overwrite, print_logs=False, disable_tqdm=False))  # the bars, not a line per step
+    print(f"  {result['steps']} steps of 8 x 256 tokens of pydoc topics in {time.perf_counter() - started:.0f} s")
     print(f"  held-out eval loss {result['eval_loss_before']:.4f} -> {result['eval_loss_after']:.4f}")
     model = FiberBundleForCausalLM.from_pretrained(trained, dtype=torch.float32).eval()
     with torch.no_grad():

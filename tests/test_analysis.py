@@ -290,7 +290,7 @@ def read_outputs(folder, name):
 
 
 def test_analyze_collapse_end_to_end(tiny_folders, tmp_path, capsys):
-    from fiber_bundle.conversion.cli import main
+    from fiber_bundle.cli import main
 
     models = [str(tiny_folders / name) for name in ("source", "converted", "trained")]
     code = main(["analyze", "collapse", *models, "--samples", "2", "--length", "40", "--seeds", "3", "--depth", "6",
@@ -310,7 +310,7 @@ def test_analyze_collapse_end_to_end(tiny_folders, tmp_path, capsys):
 
 
 def test_analyze_intrinsic_rank_and_geometry_end_to_end(tiny_folders, tmp_path):
-    from fiber_bundle.conversion.cli import main
+    from fiber_bundle.cli import main
 
     models = [str(tiny_folders / "converted"), str(tiny_folders / "trained")]
     assert main(["analyze", "intrinsic-rank", *models, "--labels", "graft", "learned", "--samples", "2",
@@ -337,7 +337,7 @@ def test_analyze_intrinsic_rank_and_geometry_end_to_end(tiny_folders, tmp_path):
 
 def test_analyze_compare_end_to_end(tiny_folders, tmp_path, capsys):
     from fiber_bundle.analysis.compare import equal_parameter_lora_rank, lora_parameter_count
-    from fiber_bundle.conversion.cli import main
+    from fiber_bundle.cli import main
     from fiber_bundle.training import prepare_for_training
 
     code = main(["analyze", "compare", str(tiny_folders / "converted"), str(tiny_folders / "source"),
@@ -365,7 +365,7 @@ def test_analyze_compare_end_to_end(tiny_folders, tmp_path, capsys):
 
 
 def test_analyze_optimizers_sweeps_reseeds_and_continues(tiny_folders, tmp_path, capsys, monkeypatch):
-    from fiber_bundle.conversion.cli import main
+    from fiber_bundle.cli import main
 
     args = ["analyze", "optimizers", str(tiny_folders / "converted"), "--out", str(tmp_path), "--optimizers",
             "grassmann", "adamw", "--learning-rates", "0.01", "0.1", "--seeds", "0", "1", "--max-steps", "2",
@@ -422,7 +422,7 @@ def test_analyze_optimizers_sweeps_reseeds_and_continues(tiny_folders, tmp_path,
 
 
 def test_metric_rank_auto_records_its_reason(tiny_folders, tmp_path):
-    from fiber_bundle.conversion.cli import main
+    from fiber_bundle.cli import main
 
     assert main(["convert", str(tiny_folders / "source"), str(tmp_path / "auto"), "--metric-rank", "auto"]) == 0
     report = json.loads((tmp_path / "auto" / "conversion_report.json").read_text())

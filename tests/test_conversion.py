@@ -11,8 +11,8 @@ from conftest import SOURCE_FAMILIES as SOURCES
 from conftest import geometry_step_change, random_ids, run_without_project, tiny_tokenizer
 from fiber_bundle.conversion import ConversionError, convert_checkpoint
 from fiber_bundle.conversion import convert as engine
+from fiber_bundle.cli import main as cli_main
 from fiber_bundle.conversion import sources
-from fiber_bundle.conversion.cli import main as cli_main
 from modeling_fiber_bundle import FiberBundleForCausalLM
 
 TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

@@ -173,7 +173,7 @@ def test_geometry_logging_reads_the_trained_copy_under_lora(tmp_path):
 def test_train_command_on_a_converted_folder(tmp_path):
     """fiber-bundle train end to end: a converted folder with a tokenizer, text files, metric-only training."""
     from conftest import tiny_tokenizer
-    from fiber_bundle.conversion.cli import main
+    from fiber_bundle.cli import main
 
     folder = tmp_path / "model"
     pretrained_tiny(tmp_path).save_pretrained(folder)
@@ -315,7 +315,7 @@ def test_lora_adapter_loads_with_autopeft_in_a_fresh_process(tmp_path):
 
 def test_train_command_checkpoints_and_resumes(tmp_path):
     from conftest import tiny_tokenizer
-    from fiber_bundle.conversion.cli import main
+    from fiber_bundle.cli import main
 
     folder = tmp_path / "model"
     tiny_model(dtype=torch.float32).save_pretrained(folder)
@@ -336,7 +336,7 @@ def test_lora_run_records_the_hub_base_in_the_adapter(tmp_path):
     import json
 
     from conftest import tiny_tokenizer
-    from fiber_bundle.conversion.cli import main
+    from fiber_bundle.cli import main
 
     folder = tmp_path / "model"
     tiny_model(dtype=torch.float32).save_pretrained(folder)
@@ -355,7 +355,7 @@ def test_train_command_with_a_riemannian_optimizer(tmp_path, capsys):
     import json
 
     from conftest import tiny_tokenizer
-    from fiber_bundle.conversion.cli import main
+    from fiber_bundle.cli import main
     from fiber_bundle.training import manifolds
 
     folder = tmp_path / "model"

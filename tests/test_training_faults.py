@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import tiny_model, tiny_tokenizer
-from fiber_bundle.conversion.cli import main
+from fiber_bundle.cli import main
 
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 
@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from fiber_bundle.conversion.cli import main
+from fiber_bundle.cli import main
 from fiber_bundle.training.geometry_logging import GeometryLoggingTrainer
 
 torch.set_num_threads(int(os.environ["FBT_THREADS"]))  # the parent's: the same kernels, the same rounding
@@ -414,7 +414,7 @@ def test_disk_full_on_a_small_tmpfs_leaves_no_model_like_folder(tmp_path):
     small.mkdir()
     script = (f'mount -t tmpfs -o size=256k tmpfs "{small}" || exit 99; "$@"; echo "exit=$?"; '
               f'find "{small}" -mindepth 1 -printf "%P\\n"')
-    command = ["unshare", "--mount", "--", "sh", "-c", script, "sh", sys.executable, "-m", "fiber_bundle.conversion.cli",
+    command = ["unshare", "--mount", "--", "sh", "-c", script, "sh", sys.executable, "-m", "fiber_bundle.cli",
                "train", str(model), str(small / "out"), "--data", str(data), "--block-size", "32", "--batch-size", "4",
                "--max-steps", "2"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=child_env())

@@ -1,7 +1,9 @@
 """Fine-tuning and publishing Fiber Bundle models with transformers' Trainer, PEFT, datasets and huggingface_hub
-(installed as ``fiber_bundle.training``): ``modes`` (full / metric-only / LoRA), ``data`` (sources and packing),
-``trainer`` (``train_model``, ``run_training``), ``checkpoints`` (checkpoints complete or absent, SIGTERM, a final
-model written whole), ``errors`` (``TrainingError``, ``TrainingStopped``), ``geometry_logging`` and ``publish``.
+(installed as ``fiber_bundle.training``): ``arguments`` (``FiberBundleTrainingArguments``, every training option),
+``modes`` (full / metric-only / LoRA), ``data`` (sources and packing), ``trainer`` (``train_model``,
+``run_training``), ``checkpoints`` (checkpoints complete or absent, SIGTERM, a final model written whole), ``errors``
+(``TrainingError``, ``TrainingStopped``), ``geometry_logging``, ``publish`` and ``cli`` (``fiber-bundle train`` and
+``publish``).
 """
 
 from .modes import LORA_TARGET_MODULES, TRAINING_MODES, prepare_for_training, trainable_parameter_names

@@ -1,0 +1,7 @@
+"""``python -m fiber_bundle.cli``: the ``fiber-bundle`` command."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

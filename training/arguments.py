@@ -1,0 +1,138 @@
+"""Every training option in one place: ``FiberBundleTrainingArguments``, transformers' ``TrainingArguments`` plus this
+project's fields. ``fiber-bundle train`` parses it with ``HfArgumentParser`` (so every ``TrainingArguments`` field is a
+flag, as ``--field_name`` or ``--field-name``) and ``run_training`` / ``train_model`` take it, or build it from
+keyword arguments.
+
+Where the project's meaning differs from a ``TrainingArguments`` field of a similar name:
+* ``output_dir`` is derived: ``run_training`` (and so ``fiber-bundle train``) puts the Trainer's checkpoints in
+  ``OUTPUT/checkpoints`` and refuses any other value; only ``train_model`` takes it from the caller.
+* ``overwrite`` (``--overwrite``) replaces an OUTPUT that already holds a model; transformers 5 has no
+  ``overwrite_output_dir``.
+* ``resume`` (``--resume``) continues from the newest complete checkpoint in the checkpoint folder; transformers'
+  ``resume_from_checkpoint`` (a checkpoint folder, or True in Python) is honoured too and wins when both are given.
+* ``batch_size`` (``--batch-size``) sets both ``per_device_train_batch_size`` and ``per_device_eval_batch_size``.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import TrainingArguments
+from transformers.trainer_utils import SaveStrategy
+from transformers.training_args import OptimizerNames
+
+from .errors import TrainingError
+from .manifolds import RETRACTIONS
+from .modes import TRAINING_MODES
+from .riemannian import OPTIMIZERS
+
+
+@dataclass
+class FiberBundleTrainingArguments(TrainingArguments):
+    """``TrainingArguments`` with this project's defaults (a short metric-only run: 100 steps at 1e-3, batches of 8,
+    a log line per step, no checkpoints unless ``save_steps``, no integrations) and its fields (the training mode, the
+    data, the optimiser of the factored pairs, ...). Bad values and combinations are refused when it is built
+    (``TrainingError``, a ``ValueError``), before any model is loaded."""
+
+    # TrainingArguments fields whose defaults differ here
+    output_dir: str | None = field(default=None, metadata={
+        "help": "the Trainer's checkpoint folder; fiber-bundle train and run_training set it to OUTPUT/checkpoints "
+                "(give it only to train_model)"})
+    learning_rate: float = field(default=1e-3, metadata={"help": "peak learning rate"})
+    max_steps: int = field(default=100, metadata={"help": "optimiser steps"})
+    seed: int = field(default=0, metadata={"help": "random seed (LoRA's initialisation, data order, the default "
+                                                   "pydoc train / eval split)"})
+    logging_steps: float = field(default=1, metadata={"help": "log the loss and the geometry every N steps"})
+    save_strategy: SaveStrategy | str | None = field(default=None, metadata={
+        "help": "when to write a checkpoint (default: 'steps' when --save_steps is set, else 'no'; SIGTERM always "
+                "saves one)", "choices": [strategy.value for strategy in SaveStrategy]})
+    save_steps: float = field(default=0, metadata={
+        "help": "write a checkpoint to the checkpoint folder every N steps (0: none)"})
+    report_to: list[str] = field(default_factory=list, metadata={
+        "help": "integrations that receive every log, e.g. tensorboard wandb ('all': every installed one; default: "
+                "none)"})
+    dataloader_pin_memory: bool | None = field(default=None, metadata={
+        "help": "pin the batches' memory (default: only when CUDA is available)"})
+
+    # this project's fields
+    mode: str = field(default="metric-only", metadata={
+        "help": "what trains: everything, only the metric (backbone frozen), or LoRA plus the metric",
+        "choices": TRAINING_MODES})
+    data: list[str] | None = field(default=None, metadata={
+        "help": "training text: .txt / .json(l) / .parquet files or a Hub dataset name (default: Python's pydoc "
+                "topics, split by topic into train and eval)"})
+    eval_data: list[str] | None = field(default=None, metadata={
+        "help": "held-out data in the same forms as --data"})
+    block_size: int = field(default=256, metadata={"help": "tokens per packed training block"})
+    batch_size: int | None = field(default=None, metadata={
+        "help": "blocks per device and step: sets per_device_train_batch_size and per_device_eval_batch_size"})
+    lora_r: int = field(default=8, metadata={"help": "LoRA rank (--mode lora)"})
+    metric_learning_rate: float | None = field(default=None, metadata={
+        "help": "learning rate of the metric (fiber) parameters when it should differ from --learning_rate (e.g. "
+                "--mode lora --learning_rate 1e-3 --metric_learning_rate 2e-2); AdamW only"})
+    optimizer: str = field(default="adamw", metadata={
+        "help": "adamw, or a Riemannian geometry for the factored pairs (LoRA pairs, metric generators, per-head "
+                "W_Q / W_K in --mode full); the other parameters stay with AdamW", "choices": OPTIMIZERS})
+    riemannian_learning_rate: float | None = field(default=None, metadata={
+        "help": "learning rate of the factored pairs under a Riemannian --optimizer (default: --learning_rate); "
+                "the steps are plain Riemannian gradient steps, so rates differ from AdamW's"})
+    block: bool = field(default=False, metadata={
+        "help": "the block variant of the geometry: each attention head's slice of a factor is its own factor (heads "
+                "share the other one)"})
+    retraction: str = field(default="qr", metadata={
+        "help": "retraction of the partial-isometry optimizers (stiefel-*, grassmann): QR or polar factor",
+        "choices": tuple(RETRACTIONS)})
+    curvature_weight: float | None = field(default=None, metadata={
+        "help": "weight of the curvature regulariser (default: the model config's)"})
+    torsion_weight: float | None = field(default=None, metadata={
+        "help": "weight of the torsion regulariser (default: the model config's)"})
+    base_model_id: str | None = field(default=None, metadata={
+        "help": "--mode lora: Hub id of the base model, recorded in adapter_config.json (default: MODEL)"})
+    resume: bool = field(default=False, metadata={
+        "help": "continue from the newest complete checkpoint in OUTPUT/checkpoints (a killed or preempted run "
+                "continues exactly; with none yet, training starts from the beginning)"})
+    overwrite: bool = field(default=False, metadata={
+        "help": "replace an OUTPUT that already holds a model or other files (once the new model is complete); "
+                "without --resume, also start again over an earlier run's checkpoints"})
+    quiet: bool = field(default=False, metadata={
+        "help": "print neither log lines nor a progress bar (the report_to integrations still receive every log)"})
+    print_logs: bool = field(default=True, metadata={
+        "help": "print each log entry (loss, learning rate, geometry) under the progress bar; false: the bar only"})
+
+    def __post_init__(self):
+        derived = self.output_dir is None
+        if self.batch_size is not None:
+            self.per_device_train_batch_size = self.per_device_eval_batch_size = self.batch_size
+        if self.save_strategy is None:
+            self.save_strategy = "steps" if self.save_steps else "no"
+        if self.dataloader_pin_memory is None:
+            self.dataloader_pin_memory = torch.cuda.is_available()
+        if self.quiet:
+            self.disable_tqdm, self.print_logs = True, False
+        super().__post_init__()
+        self._check_options()
+        if derived:  # None, not transformers' "trainer_output": run_training sets OUTPUT/checkpoints
+            self.output_dir = None
+
+    def _check_options(self) -> None:
+        for name, choices in (("mode", TRAINING_MODES), ("optimizer", OPTIMIZERS), ("retraction", tuple(RETRACTIONS))):
+            if getattr(self, name) not in choices:
+                raise TrainingError(f"{name} {getattr(self, name)!r} is not one of {', '.join(choices)}.")
+        if self.optimizer == "adamw" and (self.block or self.riemannian_learning_rate is not None
+                                          or self.retraction != "qr"):
+            raise TrainingError("block, riemannian_learning_rate and retraction apply to a Riemannian optimizer, not "
+                                "to adamw.")
+        if self.optimizer != "adamw" and self.metric_learning_rate is not None:
+            raise TrainingError("metric_learning_rate applies to the AdamW optimiser; with a Riemannian optimizer the "
+                                "parameters outside the factored pairs use learning_rate.")
+        if (self.optimizer != "adamw" or self.metric_learning_rate is not None) and self.optim != OptimizerNames(
+                TrainingArguments.__dataclass_fields__["optim"].default):
+            raise TrainingError("optim (transformers' optimiser) applies with optimizer adamw and no "
+                                "metric_learning_rate, where the Trainer builds the optimiser; drop --optim.")
+        if self.save_strategy == SaveStrategy.STEPS and not self.save_steps:
+            raise TrainingError("save_strategy 'steps' needs save_steps > 0: pass --save_steps N.")
+
+    @property
+    def checkpoint_to_resume(self) -> bool | str | None:
+        """What ``Trainer.train(resume_from_checkpoint=...)`` gets: ``resume_from_checkpoint`` when given, else True
+        (the newest complete checkpoint) with ``resume``, else None."""
+        return self.resume_from_checkpoint or (True if self.resume else None)

@@ -1,0 +1,88 @@
+"""``fiber-bundle train`` and ``fiber-bundle publish``: thin command lines over ``run_training`` and ``publish``.
+
+``train`` is parsed by transformers' ``HfArgumentParser`` into ``FiberBundleTrainingArguments``, so every
+``TrainingArguments`` field is a flag (``--gradient_accumulation_steps``, ``--warmup_steps``, ``--bf16``, ...) beside
+the project's (``--mode``, ``--metric_learning_rate``, ...), each also spelled with hyphens; the dataclass goes to
+``run_training`` as parsed.
+"""
+
+import argparse
+
+from fiber_bundle.conversion.cli import report_failure
+
+
+def train_parser():
+    from transformers import HfArgumentParser
+
+    from .arguments import FiberBundleTrainingArguments
+
+    parser = HfArgumentParser(FiberBundleTrainingArguments, prog="fiber-bundle train",
+                              description="Train MODEL (a Fiber Bundle folder) and save the result to OUTPUT. Every "
+                                          "transformers TrainingArguments field is a flag; output_dir is "
+                                          "OUTPUT/checkpoints.")
+    parser.add_argument("model", help="a Fiber Bundle folder, e.g. the output of fiber-bundle convert")
+    parser.add_argument("output", help="folder for the trained model (or LoRA adapter), tokenizer and checkpoints")
+    parser.add_argument("--traceback", action="store_true",
+                        help="print the full Python traceback of an error (for bug reports)")
+    return parser
+
+
+def parse_train(argv: list[str]):
+    """``argv`` (after ``train``) as ``(FiberBundleTrainingArguments, namespace of MODEL, OUTPUT and --traceback)``;
+    an unknown flag or a malformed value exits with argparse's usage error, as any command line does."""
+    parser = train_parser()
+    args, command, unknown = parser.parse_args_into_dataclasses(argv, return_remaining_strings=True,
+                                                                look_for_args_file=False)
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args, command
+
+
+def train(argv: list[str]) -> int:
+    from .errors import TrainingStopped, describe
+    from .trainer import run_training
+
+    traceback = "--traceback" in argv  # known before the options are checked, which may already fail
+    try:
+        args, command = parse_train(argv)
+        result = run_training(command.model, command.output, args)
+    except TrainingStopped as stop:  # SIGTERM: a checkpoint was saved; 128 + 15, as a process killed by SIGTERM
+        return report_failure("train", stop, traceback, code=143, prefix="")
+    except KeyboardInterrupt as interrupt:
+        return report_failure("train", interrupt, traceback, code=130, prefix="", message=(
+            "interrupted; OUTPUT holds no new model. Run the same command with --resume to continue from the newest "
+            "checkpoint in OUTPUT/checkpoints (if --save-steps kept one)."))
+    except Exception as error:  # one line, never a traceback unless --traceback
+        expected = isinstance(error, (ValueError, OSError))
+        return report_failure("train", error, traceback, message=None if expected else (
+            f"{describe(error)} (run again with --traceback for the details)"))
+    print(f"trained {result['steps']} steps ({result['mode']}) -> {result['output']}")
+    if result["eval_loss_before"] is not None:
+        print(f"  eval loss: {result['eval_loss_before']:.4f} -> {result['eval_loss_after']:.4f}")
+    return 0
+
+
+def publish(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="fiber-bundle publish",
+        description="Check FOLDER (loads with trust_remote_code in a fresh process, auto_map, modeling files, "
+                    "safetensors), render its model card, then create the repo and upload. The token comes from "
+                    "HF_TOKEN or `hf auth login` and is never written anywhere.",
+    )
+    parser.add_argument("folder", help="the folder to publish")
+    parser.add_argument("--repo-id", required=True, help="OWNER/NAME of the Hub repository")
+    parser.add_argument("--private", action="store_true", help="create the repository private")
+    parser.add_argument("--revision", default=None, help="branch to upload to (default: main)")
+    parser.add_argument("--dry-run", action="store_true", help="check and render the card only; no network access")
+    args = parser.parse_args(argv)
+
+    from .publish import PublishError, publish as publish_folder
+
+    try:
+        result = publish_folder(args.folder, args.repo_id, private=args.private, revision=args.revision,
+                                dry_run=args.dry_run)
+    except PublishError as error:
+        return report_failure("publish", error, traceback=False)
+    action = "would upload (dry run)" if result["dry_run"] else "uploaded"
+    print(f"{action} {len(result['files'])} files to {result['repo_id']}: {', '.join(result['files'])}")
+    return 0
