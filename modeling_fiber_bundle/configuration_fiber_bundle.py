@@ -60,8 +60,9 @@ class FiberBundleConfig(PreTrainedConfig):
             "blocked" (default, memory-bounded, custom backward) or "reference" (short and obviously correct,
             materialises the n x n x r score terms; for tests and debugging).
         geometry_recompute (`bool`, defaults to True):
-            In training, keep only the inputs of the O(n d r) metric computations (factor generation, rotation, G_i q_i,
-            Woodbury) and recompute them in the backward: less activation memory for a few percent more time.
+            In training, keep only the inputs of the O(n d r) metric computations (factor generation, the Woodbury step;
+            the blocked kernel rebuilds G_i q_i itself) and recompute them in the backward: less activation memory for
+            a few percent more time.
     """
 
     model_type = "fiber_bundle"

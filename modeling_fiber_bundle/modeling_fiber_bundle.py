@@ -434,14 +434,32 @@ class FiberBundleDecoderLayer(GradientCheckpointingLayer):
         """This layer's metric field, built once per forward for attention and MLP; None for a layer without ``fiber``.
 
         In training with ``config.geometry_recompute`` it is checkpointed as a whole: the backward keeps only its input
-        and recomputes the O(n d r) intermediates (code, raw factors, bounded map) there. What the consumers' backwards read
-        stays: the turned attention factors (the kernel's input) and the MLP factors (the Woodbury step's)."""
+        and recomputes the O(n d r) intermediates (code, raw factors, bounded map) there. What the attention kernel's
+        backward reads stays (the turned factors); the MLP step rebuilds its own factors (``precondition``)."""
         fiber = getattr(self, "fiber", None)
         if fiber is None:
             return None
-        if self.config.geometry_recompute and torch.is_grad_enabled():
+        if self._recomputes():
             return torch.utils.checkpoint.checkpoint(fiber, normed, use_reentrant=False)
         return fiber(normed)
+
+    def _recomputes(self) -> bool:
+        """Whether the metric's intermediates are recomputed in the backward (training with ``geometry_recompute``)."""
+        return self.config.geometry_recompute and torch.is_grad_enabled()
+
+    def precondition(self, normed: torch.Tensor, update: torch.Tensor, state: FiberState) -> torch.Tensor:
+        """The metric-preconditioned step M_i^{-1} update (DESIGN 1.3), Woodbury inverse, never D x D.
+
+        When recomputing, the step is checkpointed together with the factors it reads, rebuilt from ``normed`` in the
+        backward: kept, the (n, r_f, D) MLP factors would be most of the metric's activation memory."""
+        if not self._recomputes():
+            return woodbury_precondition(update, state.ffn_factors, state.beta)
+
+        def step(normed, update):
+            rebuilt = self.fiber(normed)
+            return woodbury_precondition(update, rebuilt.ffn_factors, rebuilt.beta)
+
+        return torch.utils.checkpoint.checkpoint(step, normed, update, use_reentrant=False)
 
     def forward(
         self,
@@ -478,9 +496,8 @@ class FiberBundleDecoderLayer(GradientCheckpointingLayer):
 
         residual = hidden_states
         update = self.mlp(self.post_attention_layernorm(hidden_states))
-        if state is not None and state.ffn_factors is not None:
-            # metric-preconditioned step: x <- x + M^{-1} MLP(RMSNorm(x)), Woodbury inverse, never D x D
-            update = woodbury_precondition(update, state.ffn_factors, state.beta)
+        if state is not None and state.ffn_factors is not None:  # x <- x + M^{-1} MLP(RMSNorm(x))
+            update = self.precondition(normed, update, state)
         hidden_states = residual + update
         return hidden_states, attn_weights, geometry
 

@@ -715,7 +715,8 @@ def test_geometry_recompute_gives_the_same_gradients_with_less_saved_memory():
     torch.testing.assert_close(results[True][0], results[False][0], rtol=0, atol=0)
     for name, g in results[False][2].items():
         torch.testing.assert_close(results[True][2][name], g, rtol=1e-12, atol=1e-13, msg=lambda m: f"{name}: {m}")
-    assert results[True][1] < 0.85 * results[False][1]  # the O(n d r) intermediates are not kept
+    # the O(n d r) intermediates are not kept, the MLP step's (n, r_f, D) factors included (0.60 here; 0.74 with them)
+    assert results[True][1] < 0.7 * results[False][1]
 
 
 def test_bf16_forward_stays_finite_on_long_inputs():
