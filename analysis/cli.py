@@ -1,4 +1,4 @@
-"""``fiber-bundle analyze``: the measurements of DESIGN.md section 4, each a thin command over this package's functions.
+"""``fiber-bundle analyze``: the measurements of docs/design.md section 4, each a thin command over this package's functions.
 Every subcommand writes a JSON file of figures and a PNG plot into --out."""
 
 import argparse

@@ -5,7 +5,7 @@
   the intrinsic-rank measure of attention logit fields (arXiv:2604.04384 uses 90 %). It lives, with ``singular_values``,
   ``centre_rows`` and ``summarise``, in ``fiber_bundle.conversion.rank`` (the conversion's ``--metric-rank auto`` uses
   it) and is re-exported here.
-- ``numerical_rank``: singular values above a relative tolerance (the non-Gram check of DESIGN 1.2).
+- ``numerical_rank``: singular values above a relative tolerance (the non-Gram check of docs/design.md 1.2).
 - ``fit_power_law``: y = c x^p fitted in log-log space, with its R^2 (the RMSNorm Lipschitz exponent).
 - ``rmsnorm_lipschitz``: the largest spectral norm of RMSNorm's Jacobian over a set of inputs, by autograd.
 - ``attention_entropy``: entropy of each row of attention probabilities.

@@ -97,7 +97,7 @@ def intrinsic_rank(model, ids: torch.Tensor, *, threshold: float = 0.9, rtol: fl
     over samples) and of W_Q^T W_K, and the numerical rank (at ``rtol``) of the score matrix (max over samples).
 
     The numerical rank is meaningful only for a float64 model: a dot-product head has rank <= d (a Gram matrix), a
-    homogeneous metric <= d + 1, and a heterogeneous metric can exceed d + 1 (DESIGN 1.2's non-Gram property)."""
+    homogeneous metric <= d + 1, and a heterogeneous metric can exceed d + 1 (docs/design.md 1.2's non-Gram property)."""
     layers = []
     for i, logits in each_layer_logits(model, ids):
         logits = logits.to(torch.float64)  # (B, H, n, n)
@@ -130,7 +130,7 @@ def intrinsic_rank(model, ids: torch.Tensor, *, threshold: float = 0.9, rtol: fl
 # geometry: connection proxies, RMSNorm Lipschitz constant, attention entropy
 # ----------------------------------------------------------------------------------------------------------------------
 def geometry_proxies(model, ids: torch.Tensor) -> dict | None:
-    """Per-layer curvature, torsion and anisotropy (DESIGN 1.4) on ``ids``, mean over samples; None for a model
+    """Per-layer curvature, torsion and anisotropy (docs/design.md 1.4) on ``ids``, mean over samples; None for a model
     without a metric."""
     if getattr(model.config, "model_type", None) != "fiber_bundle":
         return None

@@ -3,7 +3,7 @@ connections, at random initialisation. The same weights (drawn from one seed) ru
 
 - ``euclidean``: the dot-product score q_i . k_j (alpha = gamma = 0), the stack Dong et al. analyse;
 - ``euclidean-distance``: -1/2 ||q_i - k_j||^2 in one shared metric (alpha = 0, gamma = 1): distance, homogeneous;
-- ``riemannian``: the geodesic score of DESIGN 1.2 in each query token's own metric G_i = I + alpha U_i U_i^T
+- ``riemannian``: the geodesic score of docs/design.md 1.2 in each query token's own metric G_i = I + alpha U_i U_i^T
   (gamma = 1), with U_i generated from the token by the model's own fibre map (a code z_i = tanh(W_z RMSNorm(x_i)),
   factors bounded to spectral norm < 1).
 

@@ -1,8 +1,8 @@
-"""Graft per-token metrics onto a pretrained LLaMA / Mistral / Qwen2 / Qwen3 checkpoint (DESIGN.md section 2): a causal
+"""Graft per-token metrics onto a pretrained LLaMA / Mistral / Qwen2 / Qwen3 checkpoint (docs/design.md section 2): a causal
 LM, or a sequence classifier (reward model), whose head is kept.
 
 Every backbone tensor is copied unchanged (names mapped by ``weight_maps``), the new ``fiber`` parameters are added
-at their graft values (gates 0, random bounded factor generators), and the result is a Hub folder (DESIGN.md
+at their graft values (gates 0, random bounded factor generators), and the result is a Hub folder (docs/design.md
 section 3). The source is read one shard at a time and the output written one shard at a time, so peak memory stays
 near the largest shard; everything is written into a temporary folder beside OUTPUT and renamed into place only when
 complete.

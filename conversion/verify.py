@@ -1,4 +1,4 @@
-"""Parity of a converted folder with its source (DESIGN.md section 2), kept apart from the weight transform.
+"""Parity of a converted folder with its source (docs/design.md section 2), kept apart from the weight transform.
 
 The bound: max |logits difference| <= max(1e-4, 2 x the source's own eager-versus-sdpa difference on the same text),
 which is the floor any re-implemented attention sits on; greedy generations must be identical. The logits compared are

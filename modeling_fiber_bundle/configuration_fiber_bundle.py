@@ -2,7 +2,7 @@
 
 The backbone fields follow transformers' LLaMA / Mistral / Qwen2 / Qwen3 configurations (same names, same meaning),
 so a converted checkpoint keeps its config values. The geometry fields are new; see ``FiberBundleConfig``'s docstring
-and DESIGN.md for the equations they parametrise.
+and docs/design.md for the equations they parametrise.
 """
 
 import math

@@ -1,4 +1,5 @@
-"""The geometry of the Fiber Bundle Transformer as small pure functions (DESIGN.md sections 1.1-1.4).
+"""The geometry of the Fiber Bundle Transformer as small pure functions (sections 1.1-1.4 of docs/design.md in the
+Fiber Bundle Transformers repository).
 
 Every token i carries, per head, a metric G_i = I_d + alpha U_i U_i^T with U_i a d x r factor of spectral norm <= 1 and a
 gate alpha = exp(theta) - 1 > -1, so G_i is symmetric positive definite for every input. The attention score of query i
@@ -236,7 +237,7 @@ def geodesic_scores_reference(
     gamma: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """s_ij of DESIGN 1.2, written out term by term. Materialises (B, H, q, r, kv): tests and short inputs only.
+    """s_ij of docs/design.md 1.2, written out term by term. Materialises (B, H, q, r, kv): tests and short inputs only.
 
     query (B, H, q, d); factors (B, H, q, r, d); key (B, H, kv, d); alpha, gamma (H,). Returns (B, H, q, kv) in at
     least float32.
@@ -539,7 +540,7 @@ def blocked_attention_probs(
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Metric-preconditioned MLP step (DESIGN 1.3)
+# Metric-preconditioned MLP step (docs/design.md 1.3)
 # --------------------------------------------------------------------------------------------------------------------
 def woodbury_precondition(update: torch.Tensor, factors: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
     """M^{-1} y with M = I_D + beta V V^T, by Woodbury: y - beta V (I_r + beta V^T V)^{-1} V^T y.
@@ -563,7 +564,7 @@ def woodbury_precondition(update: torch.Tensor, factors: torch.Tensor, beta: tor
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Connection observables (DESIGN 1.4), all from r x r Gram matrices
+# Connection observables (docs/design.md 1.4), all from r x r Gram matrices
 # --------------------------------------------------------------------------------------------------------------------
 def curvature_proxy(factors: torch.Tensor, alpha: torch.Tensor, token_mask: torch.Tensor | None = None):
     """Mean over i of ||G_{i+1} - G_i||_F^2 / ||G_i||_F^2, per head-averaged, from r x r Grams only.

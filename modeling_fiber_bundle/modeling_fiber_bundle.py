@@ -1,6 +1,6 @@
 """PyTorch Fiber Bundle Transformer: a LLaMA-family decoder whose tokens carry their own low-rank Riemannian metric.
 
-Per layer (DESIGN.md section 1):
+Per layer (section 1 of docs/design.md in the Fiber Bundle Transformers repository):
     z_i   = act(W_z RMSNorm(x_i))                               the fibre code (``fiber.code_proj``)
     U_i   = bounded(W_U z_i) in R^{d x r} per head / KV group   attention metric factors (``fiber.attn_factor_proj``)
     G_i   = I + alpha U_i U_i^T,  alpha = exp(theta) - 1        (``fiber.attn_gate`` holds theta)
@@ -187,7 +187,7 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling, 
 class FiberState(NamedTuple):
     """What the fibre module hands to attention and MLP for one layer (factors row-wise, in the token's own frame)."""
 
-    # factors and gates in at least float32 (DESIGN 1.1: SPD in every dtype the model runs in)
+    # factors and gates in at least float32 (docs/design.md 1.1: SPD in every dtype the model runs in)
     attn_factors: torch.Tensor | None  # (B, Hf, n, r, d), spectral norm < 1
     alpha: torch.Tensor | None  # (H,)  alpha = exp(theta) - 1 >= GATE_FLOOR > -1
     gamma: torch.Tensor | None  # (H,)
@@ -268,7 +268,7 @@ def geodesic_attention_forward(
     output_attentions: bool = False,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Geodesic attention (DESIGN 1.2) as an attention function with transformers' signature (``eager_attention_forward``
+    """Geodesic attention (docs/design.md 1.2) as an attention function with transformers' signature (``eager_attention_forward``
     and every ``ALL_ATTENTION_FUNCTIONS`` entry), the geometry passed as keywords.
 
     query (B, H, q, d) and key, value (B, Hk, kv, d) after RoPE and the cache update; factors (B, Hf, q, r, d), each
@@ -410,7 +410,7 @@ class FiberBundleAttention(nn.Module):
 
 
 def layer_geometry(factors, keys, alpha, block_size, token_mask=None) -> dict[str, torch.Tensor]:
-    """The connection observables of DESIGN 1.4 for one layer (scalars)."""
+    """The connection observables of docs/design.md 1.4 for one layer (scalars)."""
     return {
         "curvature": curvature_proxy(factors, alpha, token_mask),
         "torsion": torsion_proxy(factors, keys.to(factors.dtype), alpha, block_size, token_mask),
@@ -448,7 +448,7 @@ class FiberBundleDecoderLayer(GradientCheckpointingLayer):
         return self.config.geometry_recompute and torch.is_grad_enabled()
 
     def precondition(self, normed: torch.Tensor, update: torch.Tensor, state: FiberState) -> torch.Tensor:
-        """The metric-preconditioned step M_i^{-1} update (DESIGN 1.3), Woodbury inverse, never D x D.
+        """The metric-preconditioned step M_i^{-1} update (docs/design.md 1.3), Woodbury inverse, never D x D.
 
         When recomputing, the step is checkpointed together with the factors it reads, rebuilt from ``normed`` in the
         backward: kept, the (n, r_f, D) MLP factors would be most of the metric's activation memory."""

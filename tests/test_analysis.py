@@ -1,4 +1,4 @@
-"""Analysis (DESIGN.md section 4): every measure on constructed inputs with known answers, the real-model probes
+"""Analysis (docs/design.md section 4): every measure on constructed inputs with known answers, the real-model probes
 against the models' own attention, and each ``fiber-bundle analyze`` subcommand end to end on tiny models."""
 
 import json
@@ -135,7 +135,7 @@ def dense_geodesic_layer(x, w, spec, metric_of="query"):
 
 
 def test_riemannian_stack_layer_is_the_geodesic_score_in_the_query_metric():
-    """One riemannian layer equals softmax of the dense squared distance in the query token's own metric (DESIGN 1.2:
+    """One riemannian layer equals softmax of the dense squared distance in the query token's own metric (docs/design.md 1.2:
     the per-row constant the closed form drops is removed by softmax, so the outputs agree), not the key's."""
     spec = StackSpec(width=16, heads=2, tokens=8, code_width=8, metric_rank=2, alpha=5.0)
     gen = torch.Generator().manual_seed(0)
@@ -229,7 +229,7 @@ def test_intrinsic_rank_reads_the_gram_bound_and_its_breach():
     d = TINY["head_dim"]
     graft = probes.intrinsic_rank(tiny_model(), ids)  # gates at 0: dot-product scores, a Gram matrix
     assert graft["summary"]["score_numerical_rank"]["max"] <= d and graft["summary"]["heads_above_gram_bound"] == 0
-    trained = probes.intrinsic_rank(set_gates(tiny_model()), ids)  # heterogeneous metrics: non-Gram (DESIGN 1.2)
+    trained = probes.intrinsic_rank(set_gates(tiny_model()), ids)  # heterogeneous metrics: non-Gram (docs/design.md 1.2)
     assert trained["summary"]["score_numerical_rank"]["min"] > d + 1
     assert trained["summary"]["heads_above_gram_bound"] == trained["summary"]["heads"] == 8
     assert all(1 <= v <= 48 for layer in trained["layers"] for v in layer["text_energy_rank"])

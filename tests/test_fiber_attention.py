@@ -1,4 +1,4 @@
-"""The pure geometry functions: DESIGN.md 1.1-1.4 properties, blocked == reference, cost and memory contracts."""
+"""The pure geometry functions: docs/design.md 1.1-1.4 properties, blocked == reference, cost and memory contracts."""
 
 import math
 

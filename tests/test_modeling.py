@@ -429,7 +429,7 @@ def custom_float_mask(batch, n, heads=1, seed=0):
 @pytest.mark.parametrize("heads", [1, TINY["num_attention_heads"]])
 @pytest.mark.parametrize("path", ["blocked", "reference"])
 def test_custom_4d_masks_at_the_graft_equal_the_backbone(path, heads):
-    """DESIGN 1.2: at the graft the model equals its backbone under every mask: a 4D float mask is added whatever its
+    """docs/design.md 1.2: at the graft the model equals its backbone under every mask: a 4D float mask is added whatever its
     values, a bool mask selects, and a per-head (B, H, q, kv) mask applies per query head under GQA."""
     source, fiber = backbone_pair("llama", tie=False, fiber_attention_path=path, attention_block_size=4)
     ids = random_ids(2, 11)
@@ -492,7 +492,7 @@ def test_every_llama_rope_type_equals_llama_beyond_max_position_embeddings(name)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("rope", ["default", "yarn", "longrope"])
 def test_metric_is_spd_in_every_dtype_and_rope_type(monkeypatch, dtype, rope):
-    """DESIGN 1.1: G_i = I + alpha U_i U_i^T is SPD for every input, in the dtype the model runs in, whatever the RoPE
+    """docs/design.md 1.1: G_i = I + alpha U_i U_i^T is SPD for every input, in the dtype the model runs in, whatever the RoPE
     type: the factors the attention uses (after their rotation) keep ||U_i||_2 < 1 (YaRN's and longrope's
     attention_scaling turn q and k only) and alpha stays above -1 where expm1 rounds to -1."""
     max_positions, params = ROPE_CASES[rope]

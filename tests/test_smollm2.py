@@ -32,7 +32,7 @@ def converted(gguf, tmp_path_factory):
 def check_report(folder):
     report = json.loads((folder / "conversion_report.json").read_text())
     parity = report["parity"]
-    # DESIGN.md section 2: max |dlogits| <= max(1e-4, 2 x the source's own eager-vs-sdpa gap), greedy identical
+    # docs/design.md section 2: max |dlogits| <= max(1e-4, 2 x the source's own eager-vs-sdpa gap), greedy identical
     assert parity["calibration_tokens"] == 384
     assert parity["max_abs_logit_diff"] <= max(1e-4, 2 * parity["source_eager_vs_sdpa"])
     assert parity["greedy_agreement"] == 1.0 and parity["greedy_tokens"] == 32 and parity["passed"]
@@ -97,7 +97,7 @@ def test_converted_smollm2_answers_in_a_fresh_process_and_learns(converted, tmp_
 
 def test_smollm2_analysis_reads_the_graft_and_a_learned_metric(gguf, converted):
     """On the real model and real text: the source's and the graft's collapse curves and logit ranks agree, every score
-    matrix is a Gram matrix (numerical rank <= d) at the graft and none is once the gates move (DESIGN 1.2)."""
+    matrix is a Gram matrix (numerical rank <= d) at the graft and none is once the gates move (docs/design.md 1.2)."""
     from fiber_bundle.analysis import probes
     from fiber_bundle.analysis.models import load_causal_lm, sample_ids
 
