@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import tiny_model  # noqa: E402
+from helpers import tiny_model  # noqa: E402
 from test_training import pattern_dataset  # noqa: E402
 
 from fiber_bundle.training.trainer import train_model  # noqa: E402

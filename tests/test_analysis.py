@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from conftest import TINY, random_ids, set_gates, tiny_model
+from helpers import TINY, random_ids, set_gates, tiny_model
 from fiber_bundle.analysis import measures, probes
 from fiber_bundle.analysis.stacks import StackSpec, attention_layer, collapse_experiment, stack_residuals
 from modeling_fiber_bundle.fiber_attention import bounded_factors

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tiny_model, tiny_tokenizer
+from helpers import tiny_model, tiny_tokenizer
 from fiber_bundle.cli import SUBCOMMANDS, main
 from fiber_bundle.training.arguments import FiberBundleTrainingArguments
 from fiber_bundle.training.cli import parse_train

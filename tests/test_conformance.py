@@ -33,7 +33,7 @@ from transformers.cache_utils import DynamicCache, StaticCache
 from transformers.generation import CompileConfig, GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
 from transformers.modeling_utils import load_state_dict
 
-from conftest import TINY, random_ids, set_gates, tiny_config, tiny_model
+from helpers import TINY, random_ids, set_gates, tiny_config, tiny_model
 from modeling_fiber_bundle import FiberBundleForCausalLM, FiberBundleModel
 
 F64 = torch.float64

@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from conftest import SOURCE_FAMILIES as SOURCES
-from conftest import geometry_step_change, random_ids, run_without_project, tiny_tokenizer
+from helpers import SOURCE_FAMILIES as SOURCES
+from helpers import geometry_step_change, random_ids, run_without_project, tiny_tokenizer
 from fiber_bundle.conversion import ConversionError, convert_checkpoint
 from fiber_bundle.conversion import convert as engine
 from fiber_bundle.cli import main as cli_main

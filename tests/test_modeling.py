@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModel, AutoModelForCausalLM, CompileConfig, LlamaConfig, LlamaForCausalLM
 
-from conftest import SOURCE_FAMILIES, TINY, geometry_step_change, random_ids, set_gates, tiny_config, tiny_model
+from helpers import SOURCE_FAMILIES, TINY, geometry_step_change, random_ids, set_gates, tiny_config, tiny_model
 from modeling_fiber_bundle import FiberBundleConfig, FiberBundleForCausalLM, FiberBundleModel
 from modeling_fiber_bundle import modeling_fiber_bundle as modeling
 from modeling_fiber_bundle.fiber_attention import metric_gram, reference_geodesic_attention
@@ -14,7 +14,7 @@ from modeling_fiber_bundle.fiber_attention import metric_gram, reference_geodesi
 F64 = torch.float64
 BACKBONE_KEYS = {k: v for k, v in TINY.items() if k not in ("pad_token_id",)}
 
-# Each source family: its transformers classes (conftest.SOURCE_FAMILIES) and the FiberBundleConfig fields that
+# Each source family: its transformers classes (helpers.SOURCE_FAMILIES) and the FiberBundleConfig fields that
 # reproduce it.
 FIBER_FIELDS = {
     "llama": {},

@@ -9,7 +9,7 @@ import torch
 from huggingface_hub import ModelCard
 from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
 
-from conftest import tiny_model, tiny_tokenizer
+from helpers import tiny_model, tiny_tokenizer
 from fiber_bundle.cli import main as cli_main
 from fiber_bundle.training.publish import IGNORE_PATTERNS, PublishError, check_folder, publish
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers.dynamic_module_utils import check_imports, get_imports, get_relative_imports
 
-from conftest import random_ids, run_without_project, set_gates, tiny_model, tiny_tokenizer
+from helpers import random_ids, run_without_project, set_gates, tiny_model, tiny_tokenizer
 from modeling_fiber_bundle.modeling_fiber_bundle import AUTO_MAP
 
-# Run in a child where this project cannot be imported (conftest.run_without_project): load as a Hub user does.
+# Run in a child where this project cannot be imported (helpers.run_without_project): load as a Hub user does.
 CHILD = textwrap.dedent(
     """
     import json, sys

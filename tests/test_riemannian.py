@@ -209,7 +209,7 @@ def test_bad_input_is_refused_with_the_fix():
 def test_lora_pairs_are_found_and_trained_beside_adamw():
     """Every LoRA layer of a PEFT model becomes one pair (B, A^T); a quotient step on the pairs and AdamW on the rest
     (the metric) lower the loss of a tiny Fiber Bundle model."""
-    from conftest import random_ids, tiny_model
+    from helpers import random_ids, tiny_model
     from fiber_bundle.training import LORA_TARGET_MODULES, prepare_for_training
     from fiber_bundle.training.riemannian import lora_groups
 
@@ -243,7 +243,7 @@ def test_trainer_runs_a_riemannian_optimizer(tmp_path, geometry):
     """train_model(optimizer=...) trains the LoRA pairs on the manifold and the rest with AdamW, through the Trainer."""
     from datasets import Dataset
 
-    from conftest import random_ids, tiny_model
+    from helpers import random_ids, tiny_model
     from fiber_bundle.training.trainer import train_model
 
     ids = random_ids(16, 16).tolist()
@@ -344,7 +344,7 @@ def products(group):
 
 @pytest.mark.parametrize("block", [False, True])
 def test_metric_generators_and_attention_heads_are_found_with_their_products(block):
-    from conftest import TINY, tiny_model
+    from helpers import TINY, tiny_model
     from fiber_bundle.training import prepare_for_training
     from fiber_bundle.training.riemannian import attention_groups, factored_groups, metric_groups
 
@@ -375,7 +375,7 @@ def test_metric_generators_and_attention_heads_are_found_with_their_products(blo
 
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 def test_lora_blocks_are_heads_rows_of_b_and_columns_of_a():
-    from conftest import TINY, tiny_model
+    from helpers import TINY, tiny_model
     from fiber_bundle.training import prepare_for_training
     from fiber_bundle.training.riemannian import _read, lora_groups
 
@@ -397,7 +397,7 @@ def test_lora_blocks_are_heads_rows_of_b_and_columns_of_a():
 def test_isometry_start_keeps_the_model_and_refuses_what_it_would_change():
     """At the graft the start orthonormalises the metric generators (they change, the logits do not: the gates leave
     the metric unused); off the graft, where the same orthonormalisation changes the logits, it is refused."""
-    from conftest import random_ids, set_gates, tiny_model
+    from helpers import random_ids, set_gates, tiny_model
     from fiber_bundle.training import prepare_for_training
     from fiber_bundle.training.riemannian import (_is_orthonormal, build_optimizer, metric_groups,
                                                   orthonormalize_group_)
@@ -445,7 +445,7 @@ def test_isometry_start_keeps_the_model_and_refuses_what_it_would_change():
 
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 def test_isometry_geometry_refuses_lora_pairs_with_the_reason():
-    from conftest import tiny_model
+    from helpers import tiny_model
     from fiber_bundle.training import prepare_for_training
     from fiber_bundle.training.riemannian import build_optimizer
 

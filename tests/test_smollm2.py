@@ -9,7 +9,7 @@ import pytest
 import torch
 from huggingface_hub import ModelCard
 
-from conftest import geometry_step_change, run_without_project
+from helpers import geometry_step_change, run_without_project
 from fiber_bundle.conversion import convert_checkpoint
 from fiber_bundle.conversion.assets import SMOLLM2_HUB_ID, smollm2_gguf
 from modeling_fiber_bundle import FiberBundleForCausalLM

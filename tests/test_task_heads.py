@@ -19,7 +19,7 @@ from transformers import (
 )
 
 import modeling_fiber_bundle
-from conftest import TINY, random_ids, run_without_project, set_gates, tiny_config, tiny_model
+from helpers import TINY, random_ids, run_without_project, set_gates, tiny_config, tiny_model
 from fiber_bundle.conversion import ConversionError, convert_checkpoint
 from fiber_bundle.conversion import convert as engine
 from modeling_fiber_bundle import (
@@ -168,7 +168,7 @@ def test_auto_classes_build_the_heads(kind):
     assert fiber_cls.__name__ in modeling_fiber_bundle.__all__ and fiber_cls._auto_class == auto_cls.__name__
 
 
-# Loads every head from a causal LM folder where this project cannot be imported (conftest.run_without_project).
+# Loads every head from a causal LM folder where this project cannot be imported (helpers.run_without_project).
 CHILD = """
     import torch
     from transformers import (AutoModelForQuestionAnswering, AutoModelForSequenceClassification,

@@ -6,7 +6,7 @@ import pytest
 import torch
 from datasets import Dataset
 
-from conftest import tiny_model
+from helpers import tiny_model
 from fiber_bundle.training import LORA_TARGET_MODULES, prepare_for_training, trainable_parameter_names
 from fiber_bundle.training.trainer import train_model
 from modeling_fiber_bundle import FiberBundleForCausalLM
@@ -109,7 +109,7 @@ def test_unknown_mode_is_refused():
 # data
 # ---------------------------------------------------------------------------------------------------------------------
 def test_pack_blocks_cuts_the_joined_token_stream(tmp_path):
-    from conftest import tiny_tokenizer
+    from helpers import tiny_tokenizer
     from fiber_bundle.training.data import load_source, pack_blocks
 
     docs = ["w3 w4 w5", "w6 w7", "w8 w9 w10 w11 w12"]
@@ -124,7 +124,7 @@ def test_pack_blocks_cuts_the_joined_token_stream(tmp_path):
 def test_sources_by_extension_and_chat_messages(tmp_path):
     import json
 
-    from conftest import tiny_tokenizer
+    from helpers import tiny_tokenizer
     from fiber_bundle.training.data import load_source, pack_blocks
 
     rows = [{"messages": [{"role": "w3", "content": "w5 w6"}, {"role": "w4", "content": "w7"}]}] * 3
@@ -172,7 +172,7 @@ def test_geometry_logging_reads_the_trained_copy_under_lora(tmp_path):
 
 def test_train_command_on_a_converted_folder(tmp_path):
     """fiber-bundle train end to end: a converted folder with a tokenizer, text files, metric-only training."""
-    from conftest import tiny_tokenizer
+    from helpers import tiny_tokenizer
     from fiber_bundle.cli import main
 
     folder = tmp_path / "model"
@@ -287,7 +287,7 @@ def test_lora_adapter_loads_with_autopeft_in_a_fresh_process(tmp_path):
     this project cannot be imported (task_type CAUSAL_LM keeps peft's auto mapping on the Auto classes)."""
     import json
 
-    from conftest import run_without_project
+    from helpers import run_without_project
 
     base = tmp_path / "base"
     tiny_model(dtype=torch.float32).save_pretrained(base)
@@ -314,7 +314,7 @@ def test_lora_adapter_loads_with_autopeft_in_a_fresh_process(tmp_path):
 
 
 def test_train_command_checkpoints_and_resumes(tmp_path):
-    from conftest import tiny_tokenizer
+    from helpers import tiny_tokenizer
     from fiber_bundle.cli import main
 
     folder = tmp_path / "model"
@@ -335,7 +335,7 @@ def test_train_command_checkpoints_and_resumes(tmp_path):
 def test_lora_run_records_the_hub_base_in_the_adapter(tmp_path):
     import json
 
-    from conftest import tiny_tokenizer
+    from helpers import tiny_tokenizer
     from fiber_bundle.cli import main
 
     folder = tmp_path / "model"
@@ -354,7 +354,7 @@ def test_train_command_with_a_riemannian_optimizer(tmp_path, capsys):
     the choice is recorded; combinations that cannot work are refused with the fix."""
     import json
 
-    from conftest import tiny_tokenizer
+    from helpers import tiny_tokenizer
     from fiber_bundle.cli import main
     from fiber_bundle.training import manifolds
 

@@ -26,7 +26,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import tiny_model, tiny_tokenizer
+from helpers import tiny_model, tiny_tokenizer
 from fiber_bundle.cli import main
 
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")

@@ -1,0 +1,116 @@
+"""Shared test helpers (imported by the test modules as ``helpers``): tiny configs, gates set awake, random ids, tiny
+tokenizers and the backbone twins built with transformers' own classes. Importing it first sets the offline
+environment (conftest.py does so before any test module is collected)."""
+
+import os
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no test may reach the network
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+from transformers import (  # noqa: E402
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+import modeling_fiber_bundle  # noqa: E402  registers the Auto classes
+from modeling_fiber_bundle import FiberBundleConfig, FiberBundleForCausalLM  # noqa: E402
+
+TINY = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=512,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+# The source families that Fiber Bundle models reproduce and conversion reads: transformers' config and causal-LM
+# classes, and the config fields a tiny twin of each needs beyond TINY.
+SOURCE_FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {}),
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 6}),
+}
+
+
+def tiny_config(**overrides) -> FiberBundleConfig:
+    return FiberBundleConfig(**{**TINY, **overrides})
+
+
+def tiny_model(seed=0, dtype=torch.float64, **overrides) -> FiberBundleForCausalLM:
+    torch.manual_seed(seed)
+    return FiberBundleForCausalLM(tiny_config(**overrides)).to(dtype).eval()
+
+
+def set_gates(model, alpha=0.7, gamma=0.4, beta=0.5, noise=0.3, seed=1):
+    """Move every gate off its graft value, by a different amount per head and layer (a 'trained' geometry)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            fiber = getattr(layer, "fiber", None)
+            if fiber is None:
+                continue
+            if hasattr(fiber, "attn_gate"):
+                n = fiber.attn_gate.numel()
+                a = alpha * (1 + noise * torch.randn(n, generator=gen, dtype=torch.float64))
+                fiber.attn_gate.copy_(torch.log1p(a.clamp_min(-0.9)))
+                fiber.flatness_gate.copy_(gamma * (1 + noise * torch.randn(n, generator=gen, dtype=torch.float64)))
+            if hasattr(fiber, "ffn_gate"):
+                fiber.ffn_gate.fill_(float(torch.log1p(torch.tensor(beta))))
+    return model
+
+
+def random_ids(batch, length, vocab=TINY["vocab_size"], seed=0, low=3):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(low, vocab, (batch, length), generator=gen)
+
+
+# Fresh processes where this project cannot be imported: the library's one implementation
+from fiber_bundle.conversion.fresh_process import run_without_project  # noqa: E402,F401
+
+
+def geometry_step_change(model, ids, lr=1e-2) -> float:
+    """Freeze the backbone, take one AdamW step on the geometry parameters alone, return max |change of logits|."""
+    model.train()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    geometry = model.geometry_parameters()
+    for p in geometry:
+        p.requires_grad_(True)
+    with torch.no_grad():
+        before = model(ids).logits
+    model(ids, labels=ids).loss.backward()
+    torch.optim.AdamW(geometry, lr=lr).step()
+    with torch.no_grad():
+        return (model(ids).logits - before).abs().max().item()
+
+
+def tiny_tokenizer(vocab_size=TINY["vocab_size"]):
+    """A word-level tokenizer over "w3" ... "w{vocab_size-1}" (unknown words become <pad>), with a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
+    return tokenizer
