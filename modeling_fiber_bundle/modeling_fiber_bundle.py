@@ -225,17 +225,18 @@ class FiberBundleMetric(nn.Module):
             )
             self.ffn_gate = nn.Parameter(torch.zeros(()))  # phi
 
-    def forward(self, normed_hidden: torch.Tensor) -> FiberState:
-        """The layer's metric field: every token's factors and the gates (None for a part whose rank is 0)."""
+    def forward(self, normed_hidden: torch.Tensor, part: str = "all") -> FiberState:
+        """The layer's metric field: every token's factors and the gates, of ``part`` ("attention", "ffn" or "all"; None
+        for the other part and for a part whose rank is 0)."""
         b, n, _ = normed_hidden.shape
         code = self.code_act(self.code_proj(normed_hidden))  # z: (B, n, m)
         attn_factors = alpha = gamma = ffn_factors = beta = None
-        if self.metric_rank > 0:
+        if self.metric_rank > 0 and part != "ffn":
             raw = self.attn_factor_proj(code).view(b, n, self.factor_heads, self.metric_rank, self.head_dim)
             attn_factors = bounded_factors(raw.transpose(1, 2))  # (B, Hf, n, r, d)
             alpha = metric_gate(self.attn_gate)
             gamma = self.flatness_gate
-        if self.ffn_metric_rank > 0:
+        if self.ffn_metric_rank > 0 and part != "attention":
             raw = self.ffn_factor_proj(code).view(b, n, self.ffn_metric_rank, self.hidden_size)
             ffn_factors = bounded_factors(raw)  # (B, n, r_f, D)
             beta = metric_gate(self.ffn_gate)
@@ -433,14 +434,14 @@ class FiberBundleDecoderLayer(GradientCheckpointingLayer):
     def fiber_state(self, normed: torch.Tensor) -> FiberState | None:
         """This layer's metric field, built once per forward for attention and MLP; None for a layer without ``fiber``.
 
-        In training with ``config.geometry_recompute`` it is checkpointed as a whole: the backward keeps only its input
-        and recomputes the O(n d r) intermediates (code, raw factors, bounded map) there. What the attention kernel's
-        backward reads stays (the turned factors); the MLP step rebuilds its own factors (``precondition``)."""
+        In training with ``config.geometry_recompute`` it holds the attention part only, checkpointed as a whole: the
+        backward keeps only its input and recomputes the O(n d r) intermediates (code, raw factors, bounded map) there;
+        the MLP step builds its own part inside its checkpoint (``precondition``), so nothing is built twice."""
         fiber = getattr(self, "fiber", None)
         if fiber is None:
             return None
         if self._recomputes():
-            return torch.utils.checkpoint.checkpoint(fiber, normed, use_reentrant=False)
+            return torch.utils.checkpoint.checkpoint(fiber, normed, "attention", use_reentrant=False)
         return fiber(normed)
 
     def _recomputes(self) -> bool:
@@ -450,14 +451,14 @@ class FiberBundleDecoderLayer(GradientCheckpointingLayer):
     def precondition(self, normed: torch.Tensor, update: torch.Tensor, state: FiberState) -> torch.Tensor:
         """The metric-preconditioned step M_i^{-1} update (docs/design.md 1.3), Woodbury inverse, never D x D.
 
-        When recomputing, the step is checkpointed together with the factors it reads, rebuilt from ``normed`` in the
-        backward: kept, the (n, r_f, D) MLP factors would be most of the metric's activation memory."""
+        When recomputing, the step is checkpointed together with the factors it reads, built from ``normed`` here and
+        again in the backward: kept, the (n, r_f, D) MLP factors would be most of the metric's activation memory."""
         if not self._recomputes():
             return woodbury_precondition(update, state.ffn_factors, state.beta)
 
         def step(normed, update):
-            rebuilt = self.fiber(normed)
-            return woodbury_precondition(update, rebuilt.ffn_factors, rebuilt.beta)
+            ffn = self.fiber(normed, "ffn")
+            return woodbury_precondition(update, ffn.ffn_factors, ffn.beta)
 
         return torch.utils.checkpoint.checkpoint(step, normed, update, use_reentrant=False)
 
@@ -496,7 +497,7 @@ class FiberBundleDecoderLayer(GradientCheckpointingLayer):
 
         residual = hidden_states
         update = self.mlp(self.post_attention_layernorm(hidden_states))
-        if state is not None and state.ffn_factors is not None:  # x <- x + M^{-1} MLP(RMSNorm(x))
+        if state is not None and self.config.ffn_metric_rank > 0:  # x <- x + M^{-1} MLP(RMSNorm(x))
             update = self.precondition(normed, update, state)
         hidden_states = residual + update
         return hidden_states, attn_weights, geometry
