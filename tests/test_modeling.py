@@ -719,6 +719,21 @@ def test_geometry_recompute_gives_the_same_gradients_with_less_saved_memory():
     assert results[True][1] < 0.7 * results[False][1]
 
 
+def test_recomputing_forward_builds_each_metric_part_once():
+    """With geometry_recompute, the attention part of the fibre state and the MLP part (built inside the Woodbury
+    step's checkpoint) are each generated once per layer in the forward, and once more in the backward."""
+    model = set_gates(tiny_model(geometry_recompute=True, ffn_metric_rank=4, metric_rank=4)).train()
+    calls = {"attn_factor_proj": 0, "ffn_factor_proj": 0}
+    for layer in model.model.layers:
+        for name in calls:
+            getattr(layer.fiber, name).register_forward_hook(lambda *_, n=name: calls.__setitem__(n, calls[n] + 1))
+    loss = model(random_ids(2, 16), labels=random_ids(2, 16)).loss
+    layers = model.config.num_hidden_layers
+    assert calls == {"attn_factor_proj": layers, "ffn_factor_proj": layers}
+    loss.backward()
+    assert calls == {"attn_factor_proj": 2 * layers, "ffn_factor_proj": 2 * layers}
+
+
 def test_bf16_forward_stays_finite_on_long_inputs():
     model = set_gates(tiny_model(max_position_embeddings=4096, attention_block_size=256), alpha=3.0, gamma=1.0)
     model = model.to(torch.bfloat16)
