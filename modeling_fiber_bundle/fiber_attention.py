@@ -477,15 +477,46 @@ def _kernel_mask(attention_mask, q_len, kv_len, hk, g, compute) -> MaskTerms:
     return mask if mask.additive is None else mask._replace(additive=mask.additive.to(compute))
 
 
-def _decode_step(gq, factors, half_alpha, bias, key, value, mask: MaskTerms):
-    """One new token against the cache: the blocked forward's math for a single row, without the loop, the key-range
-    search and the log-sum-exp (nothing is saved for a backward). Why: decoding is bound by the number of ops."""
-    b, hk, g, _, d = gq.shape
-    _, prods = _block_products(gq, factors, key.to(gq.dtype))
-    logits, _, _ = _block_logits(prods, (g, factors.shape[2], 1, factors.shape[4]), bias,
-                                 half_alpha.view(1, hk, g, 1, 1), mask)
-    probs = zero_empty_rows(torch.softmax(logits, dim=-1), mask.allowed)  # (B, Hk, g, 1, kv)
-    return torch.matmul(probs.view(b, hk, g, -1), value.to(gq.dtype)).view(b, hk, g, 1, d)
+def geodesic_decode_step(query, factors, key, value, alpha, gamma, scale, attention_mask=None) -> torch.Tensor:
+    """One new token against the cache, without autograd: the blocked forward's scores for a single query row in the
+    fewest ops (decoding is bound by the number of ops, not by flops), and none of the blocked loop's bookkeeping.
+
+    query (B, H, 1, d) after RoPE; factors (B, Hf, 1, r, d) after RoPE; key, value (B, Hk, kv, d); alpha, gamma (H,).
+    Returns (B, H, 1, d) in value's dtype.
+    """
+    b, h, _, d = query.shape
+    hk, kv_len = key.shape[1], key.shape[2]
+    g, gf, r = h // hk, factors.shape[1] // hk, factors.shape[-2]
+    compute = compute_dtype(query.dtype, factors.dtype)
+    q = query.to(compute).view(b, hk, g, d)  # heads h = kv_head * g + j, as repeat_kv orders them
+    u = factors.to(compute).view(b, hk, gf * r, d)  # the factor rows of each KV group (gf = 1) or of each head
+    a = alpha.to(compute).view(hk, g, 1)
+    # G_i q_i = q_i + alpha U_i (U_i^T q_i), with the softmax scale folded in
+    if gf == 1:
+        lifted = torch.matmul(torch.matmul(q, u.transpose(-1, -2)), u)  # U (U^T q), the group's U for each head
+    else:
+        uh = u.view(b, hk, g, r, d)
+        lifted = (torch.matmul(uh, q.unsqueeze(-1)) * uh).sum(-2)  # each head's own U_h (U_h^T q_h)
+    gq = torch.addcmul(q, a, lifted).mul_(scale)  # (B, Hk, g, d)
+    # one product of the stacked pseudo-queries [G q, u_1 .. u_r] with the cached keys: (B, Hk, g + gf*r, kv)
+    keys = key.to(compute)
+    rows = torch.cat((gq, u), dim=2).view(b * hk, g + gf * r, d)
+    prods = torch.bmm(rows, keys.reshape(b * hk, kv_len, d).transpose(1, 2)).view(b, hk, g + gf * r, kv_len)
+    coords = prods[:, :, g:].view(b, hk, gf, r, kv_len)  # U_i^T k_j
+    # scale [(G q).k - (gamma/2)||k||^2 - (alpha/2)||U^T k||^2]: the two quadratic terms as two fused multiply-adds
+    key_sq = torch.linalg.vector_norm(keys, dim=-1).square_().unsqueeze(2)  # ||k_j||^2: (B, Hk, 1, kv)
+    logits = torch.addcmul(prods[:, :, :g], gamma.to(compute).view(hk, g, 1), key_sq, value=-0.5 * scale)
+    logits.addcmul_(a, coords.square().sum(3), value=-0.5 * scale)  # a shared group's quadratic broadcasts over g
+    logits = logits.view(b, hk, g, 1, kv_len)
+    mask = None
+    if attention_mask is not None:
+        mask = _kernel_mask(attention_mask, 1, kv_len, hk, g, compute)
+        logits = apply_mask(logits, mask, mask.allowed)
+    probs = torch.softmax(logits, dim=-1)
+    if mask is not None:
+        probs = zero_empty_rows(probs, mask.allowed)  # (B, Hk, g, 1, kv)
+    out = torch.bmm(probs.view(b * hk, g, kv_len), value.to(compute).reshape(b * hk, kv_len, d))
+    return out.to(value.dtype).view(b, h, 1, d)
 
 
 def blocked_geodesic_attention(
@@ -497,18 +528,18 @@ def blocked_geodesic_attention(
     group); key, value (B, Hk, kv, d) (not repeated); alpha, gamma (H,); dropout from ``draw_dropout``. Returns the
     attention output (B, H, q, d) in value's dtype.
     """
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in (query, factors, key, value, alpha, gamma))
+    if query.shape[2] == 1 and dropout is None and not training:
+        return geodesic_decode_step(query, factors, key, value, alpha, gamma, scale, attention_mask)
     grouped_q, grouped_f, grouped_alpha, bias = prepare_geodesic_inputs(query, factors, key, alpha, gamma, scale)
     b, hk, g, q_len, d = grouped_q.shape
     mask = _kernel_mask(attention_mask, q_len, key.shape[2], hk, g, grouped_q.dtype)
-    inputs = (grouped_q, grouped_f, grouped_alpha, bias, key, value)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+    if training:
+        inputs = (grouped_q, grouped_f, grouped_alpha, bias, key, value)
         out = _BlockedGeodesicAttention.apply(*inputs, *mask, scale, block_size, dropout)
-    else:  # inference (generation): no autograd bookkeeping, no saved tensors
+    else:  # inference (a prompt): no autograd bookkeeping, no saved tensors
         gq, factors_s, half_alpha, _ = _kernel_operands(grouped_q, grouped_f, grouped_alpha, scale)
-        if q_len == 1 and dropout is None:
-            out = _decode_step(gq, factors_s, half_alpha, bias, key, value, mask)
-        else:
-            out = _blocked_forward(gq, factors_s, half_alpha, bias, key, value, mask, block_size, dropout)[0]
+        out = _blocked_forward(gq, factors_s, half_alpha, bias, key, value, mask, block_size, dropout)[0]
     return out.to(value.dtype).view(b, hk * g, q_len, d)  # (B, Hk, g, q, d) -> (B, H, q, d)
 
 
@@ -547,7 +578,7 @@ def woodbury_precondition(update: torch.Tensor, factors: torch.Tensor, beta: tor
 
     update y (..., D); factors (..., r, D) row-wise (V^T); beta scalar tensor. O(D r^2 + r^3) per token, never D x D.
     """
-    # why at least float32: linalg.solve has no half-precision kernels, and in float32 the system stays SPD only
+    # why at least float32: Cholesky has no half-precision kernels, and in float32 the system stays SPD only
     # because beta >= GATE_FLOOR (beta = -1 exactly would make it singular)
     compute = compute_dtype(update.dtype, factors.dtype)
     y, v = update.to(compute), factors.to(compute)
@@ -555,12 +586,12 @@ def woodbury_precondition(update: torch.Tensor, factors: torch.Tensor, beta: tor
     # why elementwise products for V^T y and V s: per token they are (r x D) matrix-vector products, which batched
     # matmul runs far below its speed; a multiply and a sum over D stream through memory once.
     coords = (v * y.unsqueeze(-2)).sum(-1, keepdim=True)  # V^T y: (..., r, 1)
-    gram = metric_gram(v)  # V^T V: (..., r, r)
-    eye = torch.eye(gram.shape[-1], dtype=compute, device=gram.device)
-    system = eye + beta * gram  # I + beta V^T V: SPD since beta > -1 and ||V||_2 < 1
-    solved = torch.linalg.solve(system, coords)  # (..., r, 1)
+    eye = torch.eye(v.shape[-2], dtype=compute, device=v.device)
+    system = torch.addcmul(eye, beta, metric_gram(v))  # I + beta V^T V: SPD since beta > -1 and ||V||_2 < 1
+    # why Cholesky: the system is SPD by construction, and its factor-and-solve is half the ops of a general LU solve
+    solved = torch.cholesky_solve(coords, torch.linalg.cholesky_ex(system)[0])  # (..., r, 1)
     correction = (solved * v).sum(-2)  # V (.)^{-1} V^T y: (..., D)
-    return (y - beta * correction).to(update.dtype)
+    return torch.addcmul(y, beta, correction, value=-1.0).to(update.dtype)  # y - beta V (.)^{-1} V^T y
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -238,12 +238,31 @@ def test_a_float_mask_is_added_to_the_scores(path, heads):
     torch.testing.assert_close(out[~empty], expected[~empty], rtol=1e-11, atol=1e-12)
 
 
-def test_blocked_decode_step_with_longer_cache():
-    """q_len = 1 against kv_len = 9 (generation with a cache): the query sees every cached key."""
-    query, factors, key, value, alpha, gamma = make_inputs(q=1, kv=9, hk=2)
-    out_b = blocked_geodesic_attention(query, factors, key, value, alpha, gamma, 0.3, None, block_size=4)
-    out_r, _ = reference_geodesic_attention(query, factors, repeat(key, 2), repeat(value, 2), alpha, gamma, 0.3, None)
+@pytest.mark.parametrize("mask_name", list(MASK_CASES))
+@pytest.mark.parametrize("hk", [1, 2, 4])
+@pytest.mark.parametrize("shared", [False, True])
+def test_decode_step_equals_reference(mask_name, hk, shared):
+    """q_len = 1 against a longer cache (generation): the one-token step (``geodesic_decode_step``, taken by
+    ``blocked_geodesic_attention`` without autograd) equals the reference path for every mask and KV grouping; a
+    fully masked row (a padded sequence's query) gives 0."""
+    b, h, kv = 2, 4, 11
+    g = h // hk
+    query, factors, key, value, alpha, gamma = make_inputs(b=b, h=h, hk=hk, q=1, kv=kv, hf=hk if shared else h)
+    mask = MASK_CASES[mask_name](b, kv, kv)
+    mask = None if mask is None else mask[..., -1:, :]  # the last query row: the new token against the cache
+    if mask is not None and mask_name == "bool-padding":
+        mask = mask.clone()
+        mask[1] = False  # a row with nothing to attend to
+    out_b = blocked_geodesic_attention(query, factors, key, value, alpha, gamma, 0.3, mask, block_size=4)
+    per_head = repeat(factors, g) if shared else factors
+    out_r, _ = reference_geodesic_attention(query, per_head, repeat(key, g), repeat(value, g), alpha, gamma, 0.3, mask)
     torch.testing.assert_close(out_b, out_r, rtol=1e-12, atol=1e-12)
+    if mask_name == "bool-padding":
+        assert (out_b[1] == 0).all()
+    low = blocked_geodesic_attention(*(x.float() for x in (query, factors, key, value, alpha, gamma)), 0.3,
+                                     None if mask is None else mask.float() if mask.dtype != torch.bool else mask)
+    assert low.dtype == torch.float32
+    torch.testing.assert_close(low.double(), out_r, rtol=1e-5, atol=1e-5)  # float32 in, float32 out
 
 
 @pytest.mark.parametrize("mask_name", ["bool-padding", "float-additive-per-head"])
