@@ -191,16 +191,15 @@ def _key_range(allowed: torch.Tensor | None, i0: int, i1: int, q_len: int, kv_le
     return int(cols[0]), int(cols[-1]) + 1
 
 
-def _block_mask(mask: MaskTerms, i0, i1, k0, k1, q_len, device) -> MaskTerms:
-    """The mask of query rows [i0, i1) and keys [k0, k1), shaped to broadcast over (B, Hk, g, Bq, nk)."""
+def _block_mask(mask: MaskTerms, i0, i1, k0, k1, q_len) -> tuple[MaskTerms, int | None]:
+    """The mask of query rows [i0, i1) and keys [k0, k1), shaped to broadcast over (B, Hk, g, Bq, nk), and, for the
+    causal mask that a None mask stands for, the tile column of key i0 (see ``_block_logits``), else None."""
     additive = None if mask.additive is None else mask.additive[..., i0:i1, k0:k1]
     if mask.allowed is not None:
-        return MaskTerms(mask.allowed[..., i0:i1, k0:k1], additive)
+        return MaskTerms(mask.allowed[..., i0:i1, k0:k1], additive), None
     if q_len == 1:
-        return MaskTerms(None, additive)
-    rows = torch.arange(i0, i1, device=device)[:, None]
-    cols = torch.arange(k0, k1, device=device)[None, :]
-    return MaskTerms(cols <= rows, additive)  # upper-left causal, as SDPA's is_causal (Bq, nk)
+        return MaskTerms(None, additive), None
+    return MaskTerms(None, additive), i0 - k0  # upper-left causal, as SDPA's is_causal
 
 
 def _grouped_mask(mask: MaskTerms, hk: int, g: int) -> MaskTerms:
@@ -307,12 +306,12 @@ def _block_products(gq_blk, factors_blk, key_blk):
     return rows, torch.matmul(rows, key_blk.transpose(-1, -2))
 
 
-def _block_logits(prods, shape, bias_blk, half_alpha, mask_blk: MaskTerms):
+def _block_logits(prods, shape, bias_blk, half_alpha, mask_blk: MaskTerms, diagonal: int | None = None):
     """Combine the products into scores (G_i q_i).k_j + bias_j - (alpha/2) ||U_i^T k_j||^2 and mask them.
 
     The softmax scale is already folded into the inputs (see ``_kernel_operands``).
     prods (B, Hk, g*Bq + gf*Bq*r, nk); shape = (g, gf, Bq, r); bias_blk (B, Hk, g, nk); half_alpha (1, Hk, g, 1, 1);
-    mask_blk from ``_block_mask`` (its float part already in the compute dtype).
+    mask_blk and diagonal from ``_block_mask`` (its float part already in the compute dtype).
     Returns logits (B, Hk, g, Bq, nk), coords U_i^T k_j (B, Hk, gf, Bq, r, nk) and their squared norms (.., gf, Bq, nk).
     """
     g, gf, bq, r = shape
@@ -325,6 +324,12 @@ def _block_logits(prods, shape, bias_blk, half_alpha, mask_blk: MaskTerms):
         logits.add_(mask_blk.additive).clamp_min_(torch.finfo(logits.dtype).min)
     if mask_blk.allowed is not None:
         logits.masked_fill_(~mask_blk.allowed, torch.finfo(logits.dtype).min)
+    if diagonal is not None and diagonal < nk:
+        # causal: only the keys from the block's first row on can be in any row's future, so only the tile's last
+        # columns are masked (key i0 + c is blocked for row i0 + t when c > t), not the whole (Bq, nk) tile
+        rows = torch.arange(bq, device=logits.device)[:, None]
+        cols = torch.arange(nk - diagonal, device=logits.device)[None, :]
+        logits[..., diagonal:].masked_fill_(cols > rows, torch.finfo(logits.dtype).min)
     return logits, coords, quadratic
 
 
@@ -342,9 +347,9 @@ def _blocked_forward(gq, factors, half_alpha, bias, key, value, mask: MaskTerms,
     for i0 in range(0, q_len, block_size):
         i1 = min(i0 + block_size, q_len)
         k0, k1 = _key_range(mask.allowed, i0, i1, q_len, kv_len)
-        mask_blk = _block_mask(mask, i0, i1, k0, k1, q_len, gq.device)
+        mask_blk, diagonal = _block_mask(mask, i0, i1, k0, k1, q_len)
         _, prods = _block_products(gq[:, :, :, i0:i1], factors[:, :, :, i0:i1], key_c[:, :, k0:k1])
-        logits, _, _ = _block_logits(prods, (g, gf, i1 - i0, r), bias[..., k0:k1], ha, mask_blk)
+        logits, _, _ = _block_logits(prods, (g, gf, i1 - i0, r), bias[..., k0:k1], ha, mask_blk, diagonal)
         # softmax in place, keeping its log-normaliser for the backward
         row_max = logits.amax(dim=-1, keepdim=True)
         probs = logits.sub_(row_max).exp_()
@@ -410,10 +415,11 @@ class _BlockedGeodesicAttention(torch.autograd.Function):
             i1 = min(i0 + block_size, q_len)
             bq = i1 - i0
             k0, k1 = _key_range(allowed, i0, i1, q_len, kv_len)
-            mask_blk = _block_mask(mask, i0, i1, k0, k1, q_len, gq.device)
+            mask_blk, diagonal = _block_mask(mask, i0, i1, k0, k1, q_len)
             k_blk, v_blk = key_c[:, :, k0:k1], value_c[:, :, k0:k1]
             rows, prods = _block_products(gq[:, :, :, i0:i1], factors[:, :, :, i0:i1], k_blk)
-            logits, coords, quadratic = _block_logits(prods, (g, gf, bq, r), bias[..., k0:k1], ha, mask_blk)
+            logits, coords, quadratic = _block_logits(prods, (g, gf, bq, r), bias[..., k0:k1], ha, mask_blk,
+                                                      diagonal)
             probs = zero_empty_rows(logits.sub_(lse[:, :, :, i0:i1, None]).exp_(), mask_blk.allowed)  # (B,Hk,g,Bq,nk)
             dropped, keep = probs, None
             if dropout is not None:
@@ -558,10 +564,10 @@ def blocked_attention_probs(
     blocks = []
     for i0 in range(0, q_len, block_size):
         i1 = min(i0 + block_size, q_len)
-        mask_blk = _block_mask(mask, i0, i1, 0, kv_len, q_len, gq.device)
+        mask_blk, diagonal = _block_mask(mask, i0, i1, 0, kv_len, q_len)
         _, prods = _block_products(gq[:, :, :, i0:i1], factors_s[:, :, :, i0:i1], key_c)
         shape = (g, factors_s.shape[2], i1 - i0, factors_s.shape[4])
-        logits, _, _ = _block_logits(prods, shape, bias, half_alpha.view(1, hk, g, 1, 1), mask_blk)
+        logits, _, _ = _block_logits(prods, shape, bias, half_alpha.view(1, hk, g, 1, 1), mask_blk, diagonal)
         probs = zero_empty_rows(torch.softmax(logits, dim=-1), mask_blk.allowed)  # (B, Hk, g, Bq, kv)
         if dropout is not None:
             keep = _dropout_keep(dropout, i0, probs.shape, 0, kv_len, gq.device)
