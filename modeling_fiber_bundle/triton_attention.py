@@ -21,7 +21,7 @@ combine and the softmax stay in float32).
 
 import torch
 
-from .fiber_attention import MaskTerms, _kernel_mask, _kernel_operands, _operand_grads, prepare_geodesic_inputs
+from .fiber_attention import _kernel_mask, _kernel_operands, _operand_grads, prepare_geodesic_inputs
 
 try:  # optional: nothing below needs Triton unless the kernel runs
     import triton
@@ -29,6 +29,8 @@ try:  # optional: nothing below needs Triton unless the kernel runs
 except ImportError:
     triton = None
 
+# Triton decides when a kernel is defined (at import) whether it runs compiled (CUDA) or interpreted (CPU tensors)
+INTERPRETED = triton is not None and bool(triton.knobs.runtime.interpret)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -63,7 +65,7 @@ def use_triton_kernel(kernel: str, query: torch.Tensor, dropout: float) -> bool:
     return True
 
 
-def _tiles(r: int, d: int) -> tuple[int, int]:
+def _tiles(r: int) -> tuple[int, int]:
     """Query and key tile sizes: the stacked factor tile (BLOCK_M * r rows) stays at most 128 rows."""
     rp = triton.next_power_of_2(r)
     return max(16, 128 // max(rp, 2)), 64
@@ -249,7 +251,8 @@ if triton is not None:
                 mask_ptrs = ALLOWED + b * sm_b + kh * sm_h + j * sm_g + q_offs[:, None] * sm_q + k_offs[None, :] * sm_k
                 add_ptrs = ADD + b * sa_b + kh * sa_h + j * sa_g + q_offs[:, None] * sa_q + k_offs[None, :] * sa_k
                 logits, coords = _tile_logits(gq, u, key, bias, half_alpha, q_offs, k_offs, mask_ptrs, add_ptrs,
-                                              q_len, kv_len, CAUSAL, HAS_ALLOWED, HAS_ADD, BLOCK_M, BLOCK_N, RP, PRECISION)
+                                              q_len, kv_len, CAUSAL, HAS_ALLOWED, HAS_ADD, BLOCK_M, BLOCK_N, RP,
+                                              PRECISION)
                 q_ok = q_offs < q_len
                 lse = tl.load(LSE + head * q_len + q_offs, mask=q_ok, other=float("inf"))
                 delta = tl.load(DELTA + head * q_len + q_offs, mask=q_ok, other=0.0)
@@ -319,8 +322,8 @@ if triton is not None:
             bias = tl.load(BIAS + head * kv_len + k_offs, mask=k_offs < kv_len, other=0.0)
             mask_ptrs = ALLOWED + b * sm_b + kh * sm_h + j * sm_g + q_offs[:, None] * sm_q + k_offs[None, :] * sm_k
             add_ptrs = ADD + b * sa_b + kh * sa_h + j * sa_g + q_offs[:, None] * sa_q + k_offs[None, :] * sa_k
-            logits, coords = _tile_logits(gq, u, key, bias, half_alpha, q_offs, k_offs, mask_ptrs, add_ptrs, q_len, kv_len,
-                                          CAUSAL, HAS_ALLOWED, HAS_ADD, BLOCK_M, BLOCK_N, RP, PRECISION)
+            logits, coords = _tile_logits(gq, u, key, bias, half_alpha, q_offs, k_offs, mask_ptrs, add_ptrs, q_len,
+                                          kv_len, CAUSAL, HAS_ALLOWED, HAS_ADD, BLOCK_M, BLOCK_N, RP, PRECISION)
             probs = tl.exp(logits - lse[:, None])
             d_probs = _dot(d_out, tl.trans(value), PRECISION)
             d_logits = probs * (d_probs - delta[:, None])
@@ -347,10 +350,10 @@ class _Launch:
         self.grid_heads = b * hk * g
         self.b, self.hk, self.g = b, hk, g
         self.q_len, self.kv_len = q_len, key.shape[2]
-        self.block_m, self.block_n = tiles or _tiles(r, d)
+        self.block_m, self.block_n = tiles or _tiles(r)
         self.block_d = max(16, triton.next_power_of_2(d))
         self.rp = triton.next_power_of_2(r)
-        # a boolean mask is read as bytes (no copy); its absence is a null pointer the kernel never reads
+        # a boolean mask is read as bytes (a view, no copy); an absent part is a stand-in pointer the kernel never reads
         self.allowed = allowed.view(torch.uint8) if allowed is not None else gq
         self.additive = additive if additive is not None else gq
         causal = allowed is None and q_len > 1
@@ -378,6 +381,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def _check_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+    """Errors naming the fix where the kernel cannot run: no Triton, a dtype it lacks, CPU tensors when compiled."""
     if triton is None:
         use_triton_kernel("triton", query, 0.0)  # raises the install hint
     for name, t in (("query", query), ("key", key), ("value", value)):
@@ -394,13 +398,10 @@ def _check_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
         )
 
 
-INTERPRETED = triton is not None and bool(triton.knobs.runtime.interpret)  # read when the kernels were defined
-
-
 class _TritonGeodesicAttention(torch.autograd.Function):
     """The fused kernels as an autograd function: inputs and saved tensors as ``_BlockedGeodesicAttention``'s
     (query (B, Hk, g, q, d), factors (B, Hk, gf, q, r, d), alpha (Hk, g), bias (B, Hk, g, kv) in the compute dtype;
-    key, value (B, Hk, kv, d); the grouped mask parts), plus the tile sizes (None: chosen from r and d)."""
+    key, value (B, Hk, kv, d); the grouped mask parts), plus the tile sizes (None: chosen from r, ``_tiles``)."""
 
     @staticmethod
     def forward(ctx, query, factors, alpha, bias, key, value, allowed, additive, scale, tiles):
@@ -476,4 +477,4 @@ def triton_geodesic_attention(
     return out.view(b, hk * g, q_len, d)
 
 
-__all__ = ["KERNEL_DTYPES", "MaskTerms", "triton_available", "triton_geodesic_attention", "use_triton_kernel"]
+__all__ = ["KERNEL_DTYPES", "triton_available", "triton_geodesic_attention", "use_triton_kernel"]

@@ -20,7 +20,7 @@ from helpers import random_ids, set_gates, tiny_config, tiny_model  # noqa: E402
 from modeling_fiber_bundle import FiberBundleConfig  # noqa: E402
 from modeling_fiber_bundle import modeling_fiber_bundle as modeling  # noqa: E402
 from modeling_fiber_bundle import triton_attention  # noqa: E402
-from modeling_fiber_bundle.fiber_attention import Dropout, blocked_geodesic_attention  # noqa: E402
+from modeling_fiber_bundle.fiber_attention import Dropout, _key_range, blocked_geodesic_attention  # noqa: E402
 from modeling_fiber_bundle.triton_attention import triton_geodesic_attention, use_triton_kernel  # noqa: E402
 from test_fiber_attention import MASK_CASES, additive_mask, make_inputs, padding_bool_mask  # noqa: E402
 
@@ -104,6 +104,28 @@ def test_padded_rows_attend_to_nothing_with_zero_gradients():
 def test_bfloat16_against_the_float64_function():
     """bf16 inputs, fp32 accumulation: within bf16 rounding of the exact function (and the output stays bf16)."""
     compare(q=21, kv=21, dtype=torch.bfloat16, rel=4e-2, mask=padding_bool_mask(2, 21, 21, pad=[0, 3]))
+
+
+@pytest.mark.parametrize("tile", [16, 5])
+@pytest.mark.parametrize("along_queries", [True, False])
+def test_tile_ranges_are_the_blocked_paths_key_ranges(tile, along_queries):
+    """The band each kernel tile loops over (the skip of wholly masked tiles) is exactly the blocked path's
+    ``_key_range`` of that tile, per query tile for the forward and per key tile (transposed) for the backward;
+    a tile that sees nothing loops over nothing."""
+    masks = [padding_bool_mask(2, 37, 37, pad=[0, 20], window=7), padding_bool_mask(2, 7, 29, pad=[0, 3]),
+             MASK_CASES["bool-per-head"](2, 19, 19)[:, :, None], padding_bool_mask(1, 21, 21, pad=[21])]
+    for mask in masks:
+        allowed = mask if mask.dim() == 5 else mask[:, :, None]  # (B, Hk|1, g|1, q, kv), as the kernel reads it
+        band = allowed if along_queries else allowed.transpose(-1, -2)
+        n, other = band.shape[-2:]
+        ranges = triton_attention._tile_ranges(allowed, tile, along_queries).tolist()
+        assert len(ranges) == -(-n // tile)
+        for t, (lo, hi) in enumerate(ranges):
+            i0, i1 = t * tile, min(t * tile + tile, n)
+            if band[..., i0:i1, :].any():
+                assert (lo, hi) == _key_range(band, i0, i1, n, other), (t, lo, hi)
+            else:
+                assert (lo, hi) == (0, 0)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
