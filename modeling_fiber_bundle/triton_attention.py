@@ -65,10 +65,31 @@ def use_triton_kernel(kernel: str, query: torch.Tensor, dropout: float) -> bool:
     return True
 
 
-def _tiles(r: int) -> tuple[int, int]:
-    """Query and key tile sizes: the stacked factor tile (BLOCK_M * r rows) stays at most 128 rows."""
-    rp = triton.next_power_of_2(r)
-    return max(16, 128 // max(rp, 2)), 64
+def _tiles(r: int, dtype: torch.dtype) -> tuple[int, int]:
+    """Query and key tile sizes: the stacked factor tile (BLOCK_M * r rows) stays at most 128 rows of 16-bit values
+    (64 of float32), and the key tile 64 (32), so that a program's tiles fit in a GPU's shared memory."""
+    rows = 128 if dtype.itemsize <= 2 else 64
+    return max(16, rows // max(triton.next_power_of_2(r), 2)), rows // 2
+
+
+# the software-pipelining depths tried in turn: a deeper pipeline is faster where the tiles fit in shared memory
+STAGES = (3, 2, 1)
+_stages_found: dict = {}
+
+
+def _run(kernel, grid, *args, **meta):
+    """Launch ``kernel`` with the deepest pipeline that fits (Triton raises OutOfResources at compile time for one that
+    does not); the depth found is remembered per kernel and constants, so a failing depth is compiled once."""
+    key = (kernel.fn.__name__, *sorted(meta.items()))
+    for stages in STAGES[STAGES.index(_stages_found.get(key, STAGES[0])):]:
+        try:
+            kernel[grid](*args, **meta, num_stages=stages)
+        except triton.runtime.errors.OutOfResources:
+            if stages == STAGES[-1]:
+                raise
+            continue
+        _stages_found[key] = stages
+        return
 
 
 def _broadcast_strides(t: torch.Tensor | None, ndim: int) -> list[int]:
@@ -350,7 +371,7 @@ class _Launch:
         self.grid_heads = b * hk * g
         self.b, self.hk, self.g = b, hk, g
         self.q_len, self.kv_len = q_len, key.shape[2]
-        self.block_m, self.block_n = tiles or _tiles(r)
+        self.block_m, self.block_n = tiles or _tiles(r, key.dtype)
         self.block_d = max(16, triton.next_power_of_2(d))
         self.rp = triton.next_power_of_2(r)
         # a boolean mask is read as bytes (a view, no copy); an absent part is a stand-in pointer the kernel never reads
@@ -412,11 +433,9 @@ class _TritonGeodesicAttention(torch.autograd.Function):
         lse = gq.new_empty(gq.shape[:-1])
         ranges, has_ranges = launch.ranges(along_queries=True)
         grid = (triton.cdiv(launch.q_len, launch.block_m), launch.grid_heads)
-        _geodesic_fwd[grid](
-            gq, factors_s, half_alpha.contiguous(), bias, key, value, launch.allowed, launch.additive, ranges, out,
-            lse, *launch.scalars, HAS_RANGES=has_ranges, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
-            **launch.flags, num_warps=launch.num_warps,
-        )
+        _run(_geodesic_fwd, grid, gq, factors_s, half_alpha.contiguous(), bias, key, value, launch.allowed,
+             launch.additive, ranges, out, lse, *launch.scalars, HAS_RANGES=has_ranges, BLOCK_M=launch.block_m,
+             BLOCK_N=launch.block_n, **launch.flags, num_warps=launch.num_warps)
         ctx.save_for_backward(query, factors, alpha, bias, key, value, allowed, additive, out, lse)
         ctx.scale, ctx.tiles = scale, tiles
         return out.to(value.dtype)
@@ -437,8 +456,8 @@ class _TritonGeodesicAttention(torch.autograd.Function):
         grid = (triton.cdiv(launch.kv_len, launch.block_n), launch.b * launch.hk)
         args = (gq, factors_s, half_alpha, bias, key, value, launch.allowed, launch.additive)
         meta = dict(BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, **launch.flags, num_warps=launch.num_warps)
-        _geodesic_bwd_kv[grid](*args, ranges, lse, delta, grad_out, d_key, d_value, d_bias, *launch.scalars,
-                               HAS_RANGES=has_ranges, **meta)
+        _run(_geodesic_bwd_kv, grid, *args, ranges, lse, delta, grad_out, d_key, d_value, d_bias, *launch.scalars,
+             HAS_RANGES=has_ranges, **meta)
         b, hk, g, q_len, d = gq.shape
         r = factors_s.shape[4]
         n_tiles = triton.cdiv(q_len, launch.block_m)
@@ -446,8 +465,8 @@ class _TritonGeodesicAttention(torch.autograd.Function):
         d_factors = gq.new_empty((b, hk, g, q_len, r, d))  # per query head; a shared group's are summed below
         d_half = gq.new_empty((b, hk, g, n_tiles))
         ranges, has_ranges = launch.ranges(along_queries=True)
-        _geodesic_bwd_q[(n_tiles, launch.grid_heads)](*args, ranges, lse, delta, grad_out, d_gq, d_factors, d_half,
-                                                      *launch.scalars, HAS_RANGES=has_ranges, **meta)
+        _run(_geodesic_bwd_q, (n_tiles, launch.grid_heads), *args, ranges, lse, delta, grad_out, d_gq, d_factors,
+             d_half, *launch.scalars, HAS_RANGES=has_ranges, **meta)
         if factors_s.shape[2] == 1:
             d_factors = d_factors.sum(2, keepdim=True)
         d_query, d_factors, d_alpha = _operand_grads(query, factors_in, alpha, lifted, scale, d_gq, d_factors,

@@ -128,6 +128,31 @@ def test_tile_ranges_are_the_blocked_paths_key_ranges(tile, along_queries):
                 assert (lo, hi) == (0, 0)
 
 
+def test_a_pipeline_that_does_not_fit_falls_back_to_a_shallower_one(monkeypatch):
+    """A launch whose tiles overflow shared memory at a pipeline depth (Triton's OutOfResources) is retried at the
+    next depth; the depth that fitted is remembered, so the failing ones are not compiled again."""
+    from triton.runtime.errors import OutOfResources
+
+    tried = []
+
+    class Kernel:  # stands for a JIT kernel that fits only without pipelining
+        fn = SimpleNamespace(__name__="kernel")
+
+        def __getitem__(self, grid):
+            def launch(*args, num_stages, **meta):
+                tried.append(num_stages)
+                if num_stages > 1:
+                    raise OutOfResources(300_000, 232_448, "shared memory")
+            return launch
+
+    monkeypatch.setattr(triton_attention, "_stages_found", {})
+    triton_attention._run(Kernel(), (1,), BLOCK_M=16)
+    assert tried == list(triton_attention.STAGES)
+    tried.clear()
+    triton_attention._run(Kernel(), (1,), BLOCK_M=16)
+    assert tried == [1]
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # the model on either kernel
 # ---------------------------------------------------------------------------------------------------------------------
@@ -157,9 +182,10 @@ def test_model_gives_the_same_logits_and_gradients_on_either_kernel():
         assert_near(grads[name], grads_ref[name], 2e-5, name)
 
 
-def test_the_model_runs_the_kernel_only_when_asked_on_cpu(monkeypatch):
-    """The dispatch in geodesic_attention_forward: "triton" runs the kernel (once per layer), "auto" and "pytorch"
-    keep CPU tensors on the blocked PyTorch path; the reference path and output_attentions keep their branches."""
+def test_the_model_runs_the_kernel_when_asked(monkeypatch):
+    """The dispatch in geodesic_attention_forward: "triton" runs the kernel (once per layer), "pytorch" never, "auto"
+    on CUDA tensors only (on CPU tensors it keeps the blocked PyTorch path); the reference path and output_attentions
+    keep their own branches."""
     calls = []
 
     def spy(*args, **kwargs):
@@ -167,9 +193,10 @@ def test_the_model_runs_the_kernel_only_when_asked_on_cpu(monkeypatch):
         return triton_geodesic_attention(*args, **kwargs)
 
     monkeypatch.setattr(modeling, "triton_geodesic_attention", spy)
-    model = set_gates(tiny_model(dtype=torch.float32))
-    ids = random_ids(1, 6)
-    for kernel, expected in (("auto", 0), ("pytorch", 0), ("triton", model.config.num_hidden_layers)):
+    model = set_gates(tiny_model(dtype=torch.float32)).to(DEVICE)
+    ids = random_ids(1, 6).to(DEVICE)
+    layers = model.config.num_hidden_layers
+    for kernel, expected in (("auto", layers if DEVICE == "cuda" else 0), ("pytorch", 0), ("triton", layers)):
         model.config.fiber_attention_kernel = kernel
         calls.clear()
         with torch.no_grad():
