@@ -58,7 +58,9 @@ def compare(b=2, h=4, hk=2, q=37, kv=37, d=16, r=2, shared=False, mask=None, til
     assert_near(out.cpu(), out_ref, rel, "output")
     for name, grad, ref in zip(["query", "factors", "key", "value", "alpha", "gamma"], grads, grads_ref):
         assert grad.dtype == dtype and grad.shape == ref.shape, name
-        assert_near(grad.cpu(), ref, rel, name)
+        # d gamma = -(scale/2) sum_j ||k_j||^2 d bias_j with sum_j d bias_j = 0 per row: terms of size ~d cancel to a
+        # result of size ~sqrt(2 d), so rounding weighs sqrt(d/2) times more there (the blocked path's as well)
+        assert_near(grad.cpu(), ref, rel * (max(1.0, (d / 2) ** 0.5) if name == "gamma" else 1.0), name)
     return out.cpu(), [g.cpu() for g in grads]
 
 
@@ -81,6 +83,7 @@ CASES = {
     "rank-3-shared": dict(r=3, hk=1, shared=True, q=21, kv=21),
     "rank-8": dict(r=8, q=21, kv=21),
     "head-dim-64-default-tiles": dict(d=64, q=21, kv=21, tiles=None),
+    "head-dim-128-default-tiles": dict(d=128, q=9, kv=9, tiles=None),
     "head-dim-24": dict(d=24, q=21, kv=21),  # not a power of two: padded to 32 inside the kernel
 }
 
