@@ -9,6 +9,7 @@ import math
 
 from transformers import PreTrainedConfig
 
+ATTENTION_KERNELS = ("auto", "triton", "pytorch")
 ATTENTION_PATHS = ("blocked", "reference")
 FACTOR_SHARING = ("head", "kv_group")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -59,6 +60,11 @@ class FiberBundleConfig(PreTrainedConfig):
         fiber_attention_path (`str`, defaults to "blocked"):
             "blocked" (default, memory-bounded, custom backward) or "reference" (short and obviously correct,
             materialises the n x n x r score terms; for tests and debugging).
+        fiber_attention_kernel (`str`, defaults to "auto"):
+            What runs the blocked path: "triton" (the fused Triton kernel of `triton_attention.py`, forward and
+            backward; needs `pip install triton`, CUDA tensors and no attention dropout), "pytorch" (the blocked
+            PyTorch loop), or "auto" (Triton for CUDA tensors when it imports and no attention dropout applies, the
+            PyTorch loop everywhere else).
         geometry_recompute (`bool`, defaults to True):
             In training, keep only the inputs of the O(n d r) metric computations (factor generation, the Woodbury step;
             the blocked kernel rebuilds G_i q_i itself) and recompute them in the backward: less activation memory for
@@ -127,6 +133,7 @@ class FiberBundleConfig(PreTrainedConfig):
     # Attention kernel
     attention_block_size: int = 64
     fiber_attention_path: str = "blocked"
+    fiber_attention_kernel: str = "auto"
     geometry_recompute: bool = True
 
     def __post_init__(self, **kwargs):
@@ -195,6 +202,7 @@ class FiberBundleConfig(PreTrainedConfig):
         choice("metric_act", METRIC_ACTIVATIONS)
         choice("metric_factor_sharing", FACTOR_SHARING)
         choice("fiber_attention_path", ATTENTION_PATHS)
+        choice("fiber_attention_kernel", ATTENTION_KERNELS)
         if self.sliding_window is not None:
             positive("sliding_window")
         if len(self.layer_types) != self.num_hidden_layers:

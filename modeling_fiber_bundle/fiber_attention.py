@@ -444,19 +444,30 @@ class _BlockedGeodesicAttention(torch.autograd.Function):
             d_gq[:, :, :, i0:i1] = d_rows[:, :, : g * bq].view(b, hk, g, bq, d)
             d_factors[:, :, :, i0:i1] = d_rows[:, :, g * bq :].view(b, hk, gf, bq, r, d)
             d_key[:, :, k0:k1] += torch.matmul(d_prods.transpose(-1, -2), rows)
-        # chain rule through the operands: gq = scale (q + alpha U U^T q), factors = sqrt(scale) U, half_alpha = alpha/2
-        d_gq = d_gq * scale  # d/d(G_i q_i)
-        a = alpha.view(1, hk, g, 1, 1)
-        coords = torch.matmul(factors_in, query.unsqueeze(-1))  # U^T q: (B, Hk, g, q, r, 1)
-        d_coords = torch.matmul(factors_in, d_gq.unsqueeze(-1))  # U^T dgq: (B, Hk, g, q, r, 1)
-        d_query = d_gq + a * torch.matmul(d_coords.transpose(-1, -2), factors_in).squeeze(-2)  # G is symmetric
-        # d/dU of alpha U U^T q: alpha (U^T q) dgq^T + alpha (U^T dgq) q^T, summed over the heads sharing U
-        d_lift = a.unsqueeze(-1) * (coords * d_gq.unsqueeze(-2) + d_coords * query.unsqueeze(-2))
-        if gf == 1:
-            d_lift = d_lift.sum(2, keepdim=True)
-        d_factors = d_factors * scale**0.5 + d_lift
-        d_alpha = 0.5 * d_half_alpha + (d_gq * lifted).sum(dim=(0, 3, 4))
+        d_query, d_factors, d_alpha = _operand_grads(query, factors_in, alpha, lifted, scale, d_gq, d_factors,
+                                                     d_half_alpha)
         return d_query, d_factors, d_alpha, d_bias, d_key.to(key.dtype), d_value.to(value.dtype), *(None,) * 5
+
+
+def _operand_grads(query, factors_in, alpha, lifted, scale, d_gq, d_factors, d_half_alpha):
+    """The chain rule from the gradients of the kernel's operands (``_kernel_operands``: d/d(scale G_i q_i),
+    d/d(sqrt(scale) U_i), d/d(alpha/2)) back to the grouped query, factors and alpha; shared by the blocked and the
+    Triton backward. Shapes as in ``_BlockedGeodesicAttention``; ``lifted`` = U_i (U_i^T q_i)."""
+    hk, g = alpha.shape
+    gf = factors_in.shape[2]
+    # chain rule through the operands: gq = scale (q + alpha U U^T q), factors = sqrt(scale) U, half_alpha = alpha/2
+    d_gq = d_gq * scale  # d/d(G_i q_i)
+    a = alpha.view(1, hk, g, 1, 1)
+    coords = torch.matmul(factors_in, query.unsqueeze(-1))  # U^T q: (B, Hk, g, q, r, 1)
+    d_coords = torch.matmul(factors_in, d_gq.unsqueeze(-1))  # U^T dgq: (B, Hk, g, q, r, 1)
+    d_query = d_gq + a * torch.matmul(d_coords.transpose(-1, -2), factors_in).squeeze(-2)  # G is symmetric
+    # d/dU of alpha U U^T q: alpha (U^T q) dgq^T + alpha (U^T dgq) q^T, summed over the heads sharing U
+    d_lift = a.unsqueeze(-1) * (coords * d_gq.unsqueeze(-2) + d_coords * query.unsqueeze(-2))
+    if gf == 1:
+        d_lift = d_lift.sum(2, keepdim=True)
+    d_factors = d_factors * scale**0.5 + d_lift
+    d_alpha = 0.5 * d_half_alpha + (d_gq * lifted).sum(dim=(0, 3, 4))
+    return d_query, d_factors, d_alpha
 
 
 def prepare_geodesic_inputs(query, factors, key, alpha, gamma, scale):

@@ -58,6 +58,7 @@ from .fiber_attention import (
     woodbury_precondition,
     zero_empty_rows,
 )
+from .triton_attention import triton_geodesic_attention, use_triton_kernel
 
 GEOMETRY_KEYS = ("curvature", "torsion", "anisotropy")
 
@@ -297,7 +298,10 @@ def geodesic_attention_forward(
     else:
         # the default: extra memory O(q x block), shared KV-group factors unexpanded (U_i^T k_j once per group)
         attn_weights = None
-        attn_output = blocked_geodesic_attention(
+        attention = blocked_geodesic_attention
+        if use_triton_kernel(config.fiber_attention_kernel, query, dropout):  # the fused kernel (triton_attention.py)
+            attention = triton_geodesic_attention
+        attn_output = attention(
             query, factors, key, value, alpha, gamma, scaling, attention_mask, config.attention_block_size,
             draw_dropout(dropout),
         )

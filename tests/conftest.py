@@ -1,8 +1,16 @@
 """pytest's fixtures. The helpers the test modules share are in helpers.py (a plain module, imported by name)."""
 
-import pytest
+import os
 
-import helpers  # noqa: F401  first: sets the offline environment before any test module imports transformers
+import pytest
+import torch
+
+# Triton decides at definition time whether its kernels run compiled or interpreted, so this is set before anything
+# imports modeling_fiber_bundle: without a GPU the fused kernel's tests run on CPU tensors under the interpreter
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import helpers  # noqa: E402, F401  first of the project: sets the offline environment before transformers is imported
 
 
 @pytest.fixture

@@ -1,0 +1,499 @@
+"""A fused Triton kernel for the blocked geodesic attention (docs/design.md 1.2 and 1.5), forward and backward.
+
+Same function, arguments and result as ``fiber_attention.blocked_geodesic_attention``; the operands are prepared by
+the same helpers (``prepare_geodesic_inputs``, ``_kernel_operands``, ``_kernel_mask``). Per query tile and key tile the
+forward does, in one kernel, what the blocked path does with separate ops: two matmuls of the key tile with the
+tile's stacked pseudo-queries -- scale G_i q_i (one row per query) and sqrt(scale) u_i1 .. u_ir (r rows per query),
+i.e. r + 1 query-key products per pair --, the combine lin_ij + bias_j - (alpha/2) sum_a coords_ija^2 (the blocked
+path's ``_block_logits``), the masks, an online softmax and the value product, keeping the log-sum-exp per row (as
+FlashAttention does). The backward recomputes the probabilities from it in two kernels: one per key tile (dK, dV and
+the key term's gradient, looping over the query heads of the KV group and their query tiles) and one per query tile
+(d(G q), dU and the gate's gradient); ``fiber_attention._operand_grads`` then carries them back to query, factors
+and alpha, as the blocked backward does.
+
+Triton is optional: this file imports without it (a Hub folder must load where it is absent; transformers' import
+check skips the try block below), and ``triton_available()`` says whether the kernel can run. The kernels run on
+CUDA tensors, or on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` set before this file is imported,
+as the tests do). Attention dropout is not in the kernel. Float16, bfloat16 and float32 inputs; every product
+accumulates in float32 (the pseudo-query tiles are cast to the key dtype for the tensor-core matmul, the metric
+combine and the softmax stay in float32).
+"""
+
+import torch
+
+from .fiber_attention import _kernel_mask, _kernel_operands, _operand_grads, prepare_geodesic_inputs
+
+try:  # optional: nothing below needs Triton unless the kernel runs
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+# Triton decides when a kernel is defined (at import) whether it runs compiled (CUDA) or interpreted (CPU tensors)
+INTERPRETED = triton is not None and bool(triton.knobs.runtime.interpret)
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def triton_available() -> bool:
+    """Whether Triton imports here (the kernels are defined)."""
+    return triton is not None
+
+
+def use_triton_kernel(kernel: str, query: torch.Tensor, dropout: float) -> bool:
+    """Whether the default (blocked) branch of ``geodesic_attention_forward`` runs this kernel.
+
+    ``kernel`` is ``config.fiber_attention_kernel``: "pytorch" never; "auto" for CUDA tensors of a kernel dtype when
+    Triton imports, without attention dropout, outside ``torch.compile`` (whose graph the blocked path keeps whole);
+    "triton" always, or a clear error where it cannot run. ``dropout`` is the probability actually applied (0 in
+    evaluation).
+    """
+    if kernel == "pytorch":
+        return False
+    if kernel == "auto":
+        return (triton is not None and query.is_cuda and query.dtype in KERNEL_DTYPES and dropout == 0
+                and not torch.compiler.is_compiling())
+    if triton is None:
+        raise ImportError(
+            "fiber_attention_kernel='triton' needs Triton, which is not installed: `pip install triton` (or "
+            "`pip install fiber-bundle-transformers[kernels]`), or set fiber_attention_kernel='auto' or 'pytorch'."
+        )
+    if dropout > 0:
+        raise ValueError(
+            f"fiber_attention_kernel='triton' has no attention dropout (attention_dropout={dropout} in training): set "
+            "attention_dropout=0.0, or fiber_attention_kernel='auto' (which then uses the blocked PyTorch path)."
+        )
+    return True
+
+
+def _tiles(r: int, dtype: torch.dtype) -> tuple[int, int]:
+    """Query and key tile sizes: the stacked factor tile (BLOCK_M * r rows) stays at most 128 rows of 16-bit values
+    (64 of float32), and the key tile 64 (32), so that a program's tiles fit in a GPU's shared memory."""
+    rows = 128 if dtype.itemsize <= 2 else 64
+    return max(16, rows // max(triton.next_power_of_2(r), 2)), rows // 2
+
+
+# the software-pipelining depths tried in turn: a deeper pipeline is faster where the tiles fit in shared memory
+STAGES = (3, 2, 1)
+_stages_found: dict = {}
+
+
+def _run(kernel, grid, *args, **meta):
+    """Launch ``kernel`` with the deepest pipeline that fits (Triton raises OutOfResources at compile time for one that
+    does not); the depth found is remembered per kernel and constants, so a failing depth is compiled once."""
+    key = (kernel.fn.__name__, *sorted(meta.items()))
+    for stages in STAGES[STAGES.index(_stages_found.get(key, STAGES[0])):]:
+        try:
+            kernel[grid](*args, **meta, num_stages=stages)
+        except triton.runtime.errors.OutOfResources:
+            if stages == STAGES[-1]:
+                raise
+            continue
+        _stages_found[key] = stages
+        return
+
+
+def _broadcast_strides(t: torch.Tensor | None, ndim: int) -> list[int]:
+    """Strides of ``t`` with 0 on every size-1 dimension (a broadcast mask is read with them), or zeros for None."""
+    if t is None:
+        return [0] * ndim
+    return [s if n > 1 else 0 for n, s in zip(t.shape, t.stride())]
+
+
+def _tile_ranges(allowed: torch.Tensor, tile: int, along_queries: bool) -> torch.Tensor:
+    """For each tile of query rows (``along_queries``) the interval [lo, hi) of keys holding every allowed key of its
+    rows, or for each tile of keys that of query rows: (n_tiles, 2) int32, on the mask's device (no host sync).
+
+    Why: causal, sliding-window and padding masks allow a band; a kernel skips the tiles no row of its own can see
+    (the mask still applies inside the interval). Merged over batch and heads, as the blocked path's ``_key_range``.
+    """
+    band = allowed.any(dim=(0, 1, 2))  # (q, kv)
+    if not along_queries:
+        band = band.transpose(0, 1)
+    n, other = band.shape
+    pad = (-n) % tile
+    band = torch.nn.functional.pad(band, (0, 0, 0, pad)).view(-1, tile, other).any(1)  # (n_tiles, other)
+    seen = band.any(-1)
+    lo = band.int().argmax(-1)
+    hi = other - band.flip(-1).int().argmax(-1)
+    return torch.stack((torch.where(seen, lo, 0), torch.where(seen, hi, 0)), dim=-1).to(torch.int32).contiguous()
+
+
+if triton is not None:
+
+    @triton.jit
+    def _dot(a, b, PRECISION: tl.constexpr):
+        """a @ b with float32 accumulation. PRECISION "upcast": Triton's interpreter multiplies bfloat16 tiles as raw
+        integers, so there the already rounded operands are multiplied in float32 (the same products)."""
+        if PRECISION == "upcast":
+            out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            out = tl.dot(a, b, input_precision=PRECISION)
+        return out
+
+    @triton.jit
+    def _tile_logits(gq, u, key, bias, half_alpha, q_offs, k_offs, mask_ptrs, add_ptrs, q_len, kv_len,
+                     CAUSAL: tl.constexpr, HAS_ALLOWED: tl.constexpr, HAS_ADD: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RP: tl.constexpr, PRECISION: tl.constexpr):
+        """Masked logits (BLOCK_M, BLOCK_N) of a query tile against a key tile, -inf where blocked, and the
+        coordinates U_i^T k_j (BLOCK_M * RP, BLOCK_N): ``_block_logits`` of the blocked path, fused."""
+        key_t = tl.trans(key)
+        lin = _dot(gq, key_t, PRECISION)  # (G_i q_i) . k_j, scale folded in
+        coords = _dot(u, key_t, PRECISION)  # U_i^T k_j for the RP stacked rows of each query
+        quadratic = tl.sum(tl.reshape(coords * coords, (BLOCK_M, RP, BLOCK_N)), axis=1)
+        logits = lin + bias[None, :] - half_alpha * quadratic
+        keep = k_offs[None, :] < kv_len
+        inside = (q_offs[:, None] < q_len) & keep  # the mask is read inside its (q, kv) extent only
+        if HAS_ADD:  # a float mask is added whatever its values; clamped as the blocked path clamps (never -inf)
+            logits = tl.maximum(logits + tl.load(add_ptrs, mask=inside, other=0.0), -3.4028234663852886e38)
+        if HAS_ALLOWED:
+            keep = keep & (tl.load(mask_ptrs, mask=inside, other=0) != 0)
+        elif CAUSAL:  # upper-left causal, as SDPA's is_causal
+            keep = keep & (k_offs[None, :] <= q_offs[:, None])
+        return tl.where(keep, logits, float("-inf")), coords
+
+    @triton.jit
+    def _load_query_tile(GQ, U, base_q, base_u, q_start, q_len, r, d,
+                         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, RP: tl.constexpr):
+        """The query tile's pseudo-query rows: G_i q_i (BLOCK_M, BLOCK_D) and u_ia stacked row i * RP + a
+        (BLOCK_M * RP, BLOCK_D), zero outside the tensor (contiguous (q, d) and (q, r, d) layouts)."""
+        q_offs = q_start + tl.arange(0, BLOCK_M)
+        d_offs = tl.arange(0, BLOCK_D)
+        gq = tl.load(GQ + base_q + q_offs[:, None] * d + d_offs[None, :],
+                     mask=(q_offs[:, None] < q_len) & (d_offs[None, :] < d), other=0.0)
+        u_rows = tl.arange(0, BLOCK_M * RP)
+        u_q, u_a = q_start + u_rows // RP, u_rows % RP
+        u = tl.load(U + base_u + (u_q[:, None] * r + u_a[:, None]) * d + d_offs[None, :],
+                    mask=(u_q[:, None] < q_len) & (u_a[:, None] < r) & (d_offs[None, :] < d), other=0.0)
+        return q_offs, gq, u
+
+    @triton.jit
+    def _geodesic_fwd(
+        GQ, U, HALF_ALPHA, BIAS, K, V, ALLOWED, ADD, RANGES, OUT, LSE,
+        sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
+        sm_b, sm_h, sm_g, sm_q, sm_k, sa_b, sa_h, sa_g, sa_q, sa_k,
+        hk, g, gf, q_len, kv_len, r, d,
+        CAUSAL: tl.constexpr, HAS_ALLOWED: tl.constexpr, HAS_ADD: tl.constexpr, HAS_RANGES: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, RP: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        """One program per (query tile, batch x KV head x query head): online softmax over the key tiles."""
+        pid_m = tl.program_id(0)
+        pid = tl.program_id(1).to(tl.int64)
+        b, kh, j = pid // (hk * g), (pid // g) % hk, pid % g
+        head = pid  # (b, kh, j) flattened, the row-major index of a (B, Hk, g) tensor
+        head_f = (b * hk + kh) * gf + j % gf  # the factors of this head: its own (gf = g) or its group's (gf = 1)
+        q_offs, gq, u = _load_query_tile(GQ, U, head * q_len * d, head_f * q_len * r * d, pid_m * BLOCK_M, q_len,
+                                         r, d, BLOCK_M, BLOCK_D, RP)
+        dot_dtype = K.dtype.element_ty
+        gq, u = gq.to(dot_dtype), u.to(dot_dtype)
+        half_alpha = tl.load(HALF_ALPHA + kh * g + j)
+        d_offs = tl.arange(0, BLOCK_D)
+        if HAS_RANGES:
+            lo = tl.load(RANGES + 2 * pid_m)
+            hi = tl.load(RANGES + 2 * pid_m + 1)
+        elif CAUSAL:
+            lo, hi = 0, tl.minimum(kv_len, (pid_m + 1) * BLOCK_M)
+        else:
+            lo, hi = 0, kv_len
+        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            k_offs = start + tl.arange(0, BLOCK_N)
+            kv_ok = (k_offs[:, None] < kv_len) & (d_offs[None, :] < d)
+            key = tl.load(K + b * sk_b + kh * sk_h + k_offs[:, None] * sk_n + d_offs[None, :] * sk_d, mask=kv_ok,
+                          other=0.0)
+            bias = tl.load(BIAS + head * kv_len + k_offs, mask=k_offs < kv_len, other=0.0)
+            mask_ptrs = ALLOWED + b * sm_b + kh * sm_h + j * sm_g + q_offs[:, None] * sm_q + k_offs[None, :] * sm_k
+            add_ptrs = ADD + b * sa_b + kh * sa_h + j * sa_g + q_offs[:, None] * sa_q + k_offs[None, :] * sa_k
+            logits, _ = _tile_logits(gq, u, key, bias, half_alpha, q_offs, k_offs, mask_ptrs, add_ptrs, q_len, kv_len,
+                                     CAUSAL, HAS_ALLOWED, HAS_ADD, BLOCK_M, BLOCK_N, RP, PRECISION)
+            m_new = tl.maximum(m_i, tl.max(logits, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing allowed yet: no inf - inf
+            p = tl.exp(logits - m_safe[:, None])
+            correction = tl.exp(m_i - m_safe)
+            l_i = l_i * correction + tl.sum(p, 1)
+            value = tl.load(V + b * sv_b + kh * sv_h + k_offs[:, None] * sv_n + d_offs[None, :] * sv_d, mask=kv_ok,
+                            other=0.0)
+            acc = acc * correction[:, None] + _dot(p.to(value.dtype), value, PRECISION)
+            m_i = m_new
+        # a row with no allowed key attends to nothing (``zero_empty_rows``): output 0, and a log-sum-exp of +inf
+        # makes every recomputed probability of the row 0 in the backward
+        empty = l_i == 0.0
+        out = acc / tl.where(empty, 1.0, l_i)[:, None]
+        lse = tl.where(empty, float("inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+        q_ok = q_offs < q_len
+        tl.store(OUT + head * q_len * d + q_offs[:, None] * d + d_offs[None, :], out,
+                 mask=q_ok[:, None] & (d_offs[None, :] < d))
+        tl.store(LSE + head * q_len + q_offs, lse, mask=q_ok)
+
+    @triton.jit
+    def _geodesic_bwd_kv(
+        GQ, U, HALF_ALPHA, BIAS, K, V, ALLOWED, ADD, RANGES, LSE, DELTA, DOUT, DK, DV, DBIAS,
+        sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
+        sm_b, sm_h, sm_g, sm_q, sm_k, sa_b, sa_h, sa_g, sa_q, sa_k,
+        hk, g, gf, q_len, kv_len, r, d,
+        CAUSAL: tl.constexpr, HAS_ALLOWED: tl.constexpr, HAS_ADD: tl.constexpr, HAS_RANGES: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, RP: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        """One program per (key tile, batch x KV head): dK, dV and d(key term), summed over the group's query heads
+        and every query tile that sees the key tile."""
+        pid_n = tl.program_id(0)
+        pid = tl.program_id(1).to(tl.int64)
+        b, kh = pid // hk, pid % hk
+        k_offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        d_offs = tl.arange(0, BLOCK_D)
+        kv_ok = (k_offs[:, None] < kv_len) & (d_offs[None, :] < d)
+        key = tl.load(K + b * sk_b + kh * sk_h + k_offs[:, None] * sk_n + d_offs[None, :] * sk_d, mask=kv_ok,
+                      other=0.0)
+        value = tl.load(V + b * sv_b + kh * sv_h + k_offs[:, None] * sv_n + d_offs[None, :] * sv_d, mask=kv_ok,
+                        other=0.0)
+        dot_dtype = key.dtype
+        d_key = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+        d_value = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+        if HAS_RANGES:
+            lo = tl.load(RANGES + 2 * pid_n)
+            hi = tl.load(RANGES + 2 * pid_n + 1)
+        elif CAUSAL:
+            lo, hi = pid_n * BLOCK_N, q_len  # row i sees keys <= i only
+        else:
+            lo, hi = 0, q_len
+        for j in range(0, g):
+            head = pid * g + j
+            head_f = pid * gf + j % gf
+            half_alpha = tl.load(HALF_ALPHA + kh * g + j)
+            bias = tl.load(BIAS + head * kv_len + k_offs, mask=k_offs < kv_len, other=0.0)
+            d_bias = tl.zeros((BLOCK_N,), tl.float32)
+            for start in range(lo, hi, BLOCK_M):
+                q_offs, gq, u = _load_query_tile(GQ, U, head * q_len * d, head_f * q_len * r * d, start, q_len, r, d,
+                                                 BLOCK_M, BLOCK_D, RP)
+                gq, u = gq.to(dot_dtype), u.to(dot_dtype)
+                mask_ptrs = ALLOWED + b * sm_b + kh * sm_h + j * sm_g + q_offs[:, None] * sm_q + k_offs[None, :] * sm_k
+                add_ptrs = ADD + b * sa_b + kh * sa_h + j * sa_g + q_offs[:, None] * sa_q + k_offs[None, :] * sa_k
+                logits, coords = _tile_logits(gq, u, key, bias, half_alpha, q_offs, k_offs, mask_ptrs, add_ptrs,
+                                              q_len, kv_len, CAUSAL, HAS_ALLOWED, HAS_ADD, BLOCK_M, BLOCK_N, RP,
+                                              PRECISION)
+                q_ok = q_offs < q_len
+                lse = tl.load(LSE + head * q_len + q_offs, mask=q_ok, other=float("inf"))
+                delta = tl.load(DELTA + head * q_len + q_offs, mask=q_ok, other=0.0)
+                d_out = tl.load(DOUT + head * q_len * d + q_offs[:, None] * d + d_offs[None, :],
+                                mask=q_ok[:, None] & (d_offs[None, :] < d), other=0.0)
+                probs = tl.exp(logits - lse[:, None])  # (BLOCK_M, BLOCK_N); 0 on blocked entries and empty rows
+                d_value += _dot(tl.trans(probs.to(dot_dtype)), d_out.to(dot_dtype), PRECISION)
+                d_probs = _dot(d_out.to(dot_dtype), tl.trans(value), PRECISION)
+                d_logits = probs * (d_probs - delta[:, None])  # softmax backward
+                d_bias += tl.sum(d_logits, 0)
+                # d/d coords of -(alpha/2) ||U^T k||^2
+                d_quadratic = -2.0 * half_alpha * d_logits
+                d_coords = tl.reshape(tl.reshape(coords, (BLOCK_M, RP, BLOCK_N)) * d_quadratic[:, None, :],
+                                      (BLOCK_M * RP, BLOCK_N))
+                d_key += _dot(tl.trans(d_logits.to(dot_dtype)), gq, PRECISION)
+                d_key += _dot(tl.trans(d_coords.to(dot_dtype)), u, PRECISION)
+            tl.store(DBIAS + head * kv_len + k_offs, d_bias, mask=k_offs < kv_len)
+        out_offs = pid * kv_len * d + k_offs[:, None] * d + d_offs[None, :]
+        tl.store(DK + out_offs, d_key, mask=kv_ok)
+        tl.store(DV + out_offs, d_value, mask=kv_ok)
+
+    @triton.jit
+    def _geodesic_bwd_q(
+        GQ, U, HALF_ALPHA, BIAS, K, V, ALLOWED, ADD, RANGES, LSE, DELTA, DOUT, DGQ, DU, DHALF,
+        sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
+        sm_b, sm_h, sm_g, sm_q, sm_k, sa_b, sa_h, sa_g, sa_q, sa_k,
+        hk, g, gf, q_len, kv_len, r, d,
+        CAUSAL: tl.constexpr, HAS_ALLOWED: tl.constexpr, HAS_ADD: tl.constexpr, HAS_RANGES: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, RP: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        """One program per (query tile, batch x KV head x query head): d(scale G q), d(sqrt(scale) U) of this
+        head (summed over a shared group by the caller) and its partial d(alpha/2)."""
+        pid_m = tl.program_id(0)
+        pid = tl.program_id(1).to(tl.int64)
+        b, kh, j = pid // (hk * g), (pid // g) % hk, pid % g
+        head = pid
+        head_f = (b * hk + kh) * gf + j % gf
+        q_offs, gq, u = _load_query_tile(GQ, U, head * q_len * d, head_f * q_len * r * d, pid_m * BLOCK_M, q_len,
+                                         r, d, BLOCK_M, BLOCK_D, RP)
+        dot_dtype = K.dtype.element_ty
+        gq, u = gq.to(dot_dtype), u.to(dot_dtype)
+        half_alpha = tl.load(HALF_ALPHA + kh * g + j)
+        d_offs = tl.arange(0, BLOCK_D)
+        q_ok = q_offs < q_len
+        lse = tl.load(LSE + head * q_len + q_offs, mask=q_ok, other=float("inf"))
+        delta = tl.load(DELTA + head * q_len + q_offs, mask=q_ok, other=0.0)
+        d_out = tl.load(DOUT + head * q_len * d + q_offs[:, None] * d + d_offs[None, :],
+                        mask=q_ok[:, None] & (d_offs[None, :] < d), other=0.0).to(dot_dtype)
+        if HAS_RANGES:
+            lo = tl.load(RANGES + 2 * pid_m)
+            hi = tl.load(RANGES + 2 * pid_m + 1)
+        elif CAUSAL:
+            lo, hi = 0, tl.minimum(kv_len, (pid_m + 1) * BLOCK_M)
+        else:
+            lo, hi = 0, kv_len
+        d_gq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        d_u = tl.zeros((BLOCK_M * RP, BLOCK_D), tl.float32)
+        d_half = tl.zeros((BLOCK_M,), tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            k_offs = start + tl.arange(0, BLOCK_N)
+            kv_ok = (k_offs[:, None] < kv_len) & (d_offs[None, :] < d)
+            key = tl.load(K + b * sk_b + kh * sk_h + k_offs[:, None] * sk_n + d_offs[None, :] * sk_d, mask=kv_ok,
+                          other=0.0)
+            value = tl.load(V + b * sv_b + kh * sv_h + k_offs[:, None] * sv_n + d_offs[None, :] * sv_d, mask=kv_ok,
+                            other=0.0)
+            bias = tl.load(BIAS + head * kv_len + k_offs, mask=k_offs < kv_len, other=0.0)
+            mask_ptrs = ALLOWED + b * sm_b + kh * sm_h + j * sm_g + q_offs[:, None] * sm_q + k_offs[None, :] * sm_k
+            add_ptrs = ADD + b * sa_b + kh * sa_h + j * sa_g + q_offs[:, None] * sa_q + k_offs[None, :] * sa_k
+            logits, coords = _tile_logits(gq, u, key, bias, half_alpha, q_offs, k_offs, mask_ptrs, add_ptrs, q_len,
+                                          kv_len, CAUSAL, HAS_ALLOWED, HAS_ADD, BLOCK_M, BLOCK_N, RP, PRECISION)
+            probs = tl.exp(logits - lse[:, None])
+            d_probs = _dot(d_out, tl.trans(value), PRECISION)
+            d_logits = probs * (d_probs - delta[:, None])
+            coords3 = tl.reshape(coords, (BLOCK_M, RP, BLOCK_N))
+            d_half -= tl.sum(d_logits * tl.sum(coords3 * coords3, axis=1), 1)
+            d_coords = tl.reshape(coords3 * (-2.0 * half_alpha * d_logits)[:, None, :], (BLOCK_M * RP, BLOCK_N))
+            d_gq += _dot(d_logits.to(dot_dtype), key, PRECISION)
+            d_u += _dot(d_coords.to(dot_dtype), key, PRECISION)
+        tl.store(DGQ + head * q_len * d + q_offs[:, None] * d + d_offs[None, :], d_gq,
+                 mask=q_ok[:, None] & (d_offs[None, :] < d))
+        u_rows = tl.arange(0, BLOCK_M * RP)
+        u_q, u_a = pid_m * BLOCK_M + u_rows // RP, u_rows % RP
+        tl.store(DU + head * q_len * r * d + (u_q[:, None] * r + u_a[:, None]) * d + d_offs[None, :], d_u,
+                 mask=(u_q[:, None] < q_len) & (u_a[:, None] < r) & (d_offs[None, :] < d))
+        tl.store(DHALF + pid * tl.num_programs(0) + pid_m, tl.sum(d_half, 0))
+
+
+class _Launch:
+    """The arguments every kernel shares: shapes, strides of key, value and the mask parts, tile sizes, flags."""
+
+    def __init__(self, gq, factors, key, value, allowed, additive, tiles=None):
+        b, hk, g, q_len, d = gq.shape
+        gf, r = factors.shape[2], factors.shape[4]
+        self.grid_heads = b * hk * g
+        self.b, self.hk, self.g = b, hk, g
+        self.q_len, self.kv_len = q_len, key.shape[2]
+        self.block_m, self.block_n = tiles or _tiles(r, key.dtype)
+        self.block_d = max(16, triton.next_power_of_2(d))
+        self.rp = triton.next_power_of_2(r)
+        # a boolean mask is read as bytes (a view, no copy); an absent part is a stand-in pointer the kernel never reads
+        self.allowed = allowed.view(torch.uint8) if allowed is not None else gq
+        self.additive = additive if additive is not None else gq
+        causal = allowed is None and q_len > 1
+        self.flags = dict(CAUSAL=causal, HAS_ALLOWED=allowed is not None, HAS_ADD=additive is not None,
+                          BLOCK_D=self.block_d, RP=self.rp,
+                          PRECISION=_dot_precision(key.dtype))
+        self.allowed_bool = allowed
+        self.scalars = (*key.stride(), *value.stride(), *_broadcast_strides(allowed, 5),
+                        *_broadcast_strides(additive, 5), hk, g, gf, q_len, self.kv_len, r, d)
+        self.num_warps = 4 if self.block_d <= 64 else 8
+
+    def ranges(self, along_queries: bool):
+        """The tile ranges of a dense mask (see ``_tile_ranges``), or the kernel's own causal / full range."""
+        tile = self.block_m if along_queries else self.block_n
+        if self.allowed_bool is None:
+            return self.allowed, False
+        return _tile_ranges(self.allowed_bool, tile, along_queries), True
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """float32 tiles multiply in full precision (no TF32: the kernel matches the PyTorch path); see ``_dot``."""
+    if dtype == torch.float32:
+        return "ieee"
+    return "upcast" if INTERPRETED and dtype == torch.bfloat16 else "tf32"
+
+
+def _check_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+    """Errors naming the fix where the kernel cannot run: no Triton, a dtype it lacks, CPU tensors when compiled."""
+    if triton is None:
+        use_triton_kernel("triton", query, 0.0)  # raises the install hint
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.dtype not in KERNEL_DTYPES:
+            raise ValueError(
+                f"The Triton geodesic attention takes float16, bfloat16 or float32 tensors, got {name} in {t.dtype}: "
+                "cast the model (model.to(torch.bfloat16)) or set fiber_attention_kernel='pytorch'."
+            )
+    if not query.is_cuda and not INTERPRETED:
+        raise ValueError(
+            "The Triton geodesic attention runs on CUDA tensors (or on CPU under Triton's interpreter, with "
+            "TRITON_INTERPRET=1 set before the model is imported); got tensors on "
+            f"{query.device}: move the model to a GPU or set fiber_attention_kernel='pytorch'."
+        )
+
+
+class _TritonGeodesicAttention(torch.autograd.Function):
+    """The fused kernels as an autograd function: inputs and saved tensors as ``_BlockedGeodesicAttention``'s
+    (query (B, Hk, g, q, d), factors (B, Hk, gf, q, r, d), alpha (Hk, g), bias (B, Hk, g, kv) in the compute dtype;
+    key, value (B, Hk, kv, d); the grouped mask parts), plus the tile sizes (None: chosen from r, ``_tiles``)."""
+
+    @staticmethod
+    def forward(ctx, query, factors, alpha, bias, key, value, allowed, additive, scale, tiles):
+        gq, factors_s, half_alpha, _ = _kernel_operands(query, factors, alpha, scale)
+        gq, factors_s, bias = gq.contiguous(), factors_s.contiguous(), bias.contiguous()
+        launch = _Launch(gq, factors_s, key, value, allowed, additive, tiles)
+        out = gq.new_empty(gq.shape)
+        lse = gq.new_empty(gq.shape[:-1])
+        ranges, has_ranges = launch.ranges(along_queries=True)
+        grid = (triton.cdiv(launch.q_len, launch.block_m), launch.grid_heads)
+        _run(_geodesic_fwd, grid, gq, factors_s, half_alpha.contiguous(), bias, key, value, launch.allowed,
+             launch.additive, ranges, out, lse, *launch.scalars, HAS_RANGES=has_ranges, BLOCK_M=launch.block_m,
+             BLOCK_N=launch.block_n, **launch.flags, num_warps=launch.num_warps)
+        ctx.save_for_backward(query, factors, alpha, bias, key, value, allowed, additive, out, lse)
+        ctx.scale, ctx.tiles = scale, tiles
+        return out.to(value.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, factors_in, alpha, bias, key, value, allowed, additive, out, lse = ctx.saved_tensors
+        scale = ctx.scale
+        gq, factors_s, half_alpha, lifted = _kernel_operands(query, factors_in, alpha, scale)
+        gq, factors_s, half_alpha = gq.contiguous(), factors_s.contiguous(), half_alpha.contiguous()
+        launch = _Launch(gq, factors_s, key, value, allowed, additive, ctx.tiles)
+        grad_out = grad_out.contiguous()
+        delta = (grad_out.to(out.dtype) * out).sum(-1)  # D_i = dO_i . O_i, (B, Hk, g, q)
+        d_key = torch.empty(key.shape, dtype=out.dtype, device=key.device)
+        d_value = torch.empty_like(d_key)
+        d_bias = torch.empty_like(bias)
+        ranges, has_ranges = launch.ranges(along_queries=False)
+        grid = (triton.cdiv(launch.kv_len, launch.block_n), launch.b * launch.hk)
+        args = (gq, factors_s, half_alpha, bias, key, value, launch.allowed, launch.additive)
+        meta = dict(BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, **launch.flags, num_warps=launch.num_warps)
+        _run(_geodesic_bwd_kv, grid, *args, ranges, lse, delta, grad_out, d_key, d_value, d_bias, *launch.scalars,
+             HAS_RANGES=has_ranges, **meta)
+        b, hk, g, q_len, d = gq.shape
+        r = factors_s.shape[4]
+        n_tiles = triton.cdiv(q_len, launch.block_m)
+        d_gq = torch.empty_like(gq)
+        d_factors = gq.new_empty((b, hk, g, q_len, r, d))  # per query head; a shared group's are summed below
+        d_half = gq.new_empty((b, hk, g, n_tiles))
+        ranges, has_ranges = launch.ranges(along_queries=True)
+        _run(_geodesic_bwd_q, (n_tiles, launch.grid_heads), *args, ranges, lse, delta, grad_out, d_gq, d_factors,
+             d_half, *launch.scalars, HAS_RANGES=has_ranges, **meta)
+        if factors_s.shape[2] == 1:
+            d_factors = d_factors.sum(2, keepdim=True)
+        d_query, d_factors, d_alpha = _operand_grads(query, factors_in, alpha, lifted, scale, d_gq, d_factors,
+                                                     d_half.sum(dim=(0, 3)))
+        return d_query, d_factors, d_alpha, d_bias, d_key.to(key.dtype), d_value.to(value.dtype), *(None,) * 4
+
+
+def triton_geodesic_attention(
+    query, factors, key, value, alpha, gamma, scale, attention_mask=None, block_size=64, dropout=None, *, tiles=None
+) -> torch.Tensor:
+    """``blocked_geodesic_attention`` on the fused Triton kernels: same arguments, same result.
+
+    query (B, H, q, d) after RoPE; factors (B, Hf, q, r, d) after RoPE, Hf = H or Hk; key, value (B, Hk, kv, d) (not
+    repeated); alpha, gamma (H,); attention_mask as transformers passes it (None: causal when q > 1). Returns the
+    output (B, H, q, d) in value's dtype. ``block_size`` (the blocked path's query block) is accepted and unused: the
+    kernel's tiles are chosen from r and d, or given as ``tiles`` = (query tile, key tile), powers of two >= 16.
+    ``dropout`` must be None (the kernel has no attention dropout).
+    """
+    if dropout is not None:
+        raise ValueError("The Triton geodesic attention has no attention dropout: pass dropout=None, or use "
+                         "blocked_geodesic_attention (fiber_attention_kernel='pytorch').")
+    _check_inputs(query, key, value)
+    grouped_q, grouped_f, grouped_alpha, bias = prepare_geodesic_inputs(query, factors, key, alpha, gamma, scale)
+    b, hk, g, q_len, d = grouped_q.shape
+    mask = _kernel_mask(attention_mask, q_len, key.shape[2], hk, g, grouped_q.dtype)
+    out = _TritonGeodesicAttention.apply(grouped_q, grouped_f, grouped_alpha, bias, key, value, *mask, scale, tiles)
+    return out.view(b, hk * g, q_len, d)
+
+
+__all__ = ["KERNEL_DTYPES", "triton_available", "triton_geodesic_attention", "use_triton_kernel"]
