@@ -51,6 +51,7 @@ import os
 os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
 
 import argparse  # noqa: E402
+import warnings  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
@@ -70,8 +71,12 @@ from common import (  # noqa: E402
     environment,
     interleaved_runs,
     load_average,
+    logit_difference,
     prompt,
 )
+
+# the expected consequence of the cold compiles above, said once per compile
+warnings.filterwarnings("ignore", message="dynamo_pgo force disabled by torch.compiler.config.force_disable_caches")
 
 FULL_DEFAULTS = dict(ranks=[0, 1, 2, 4], prompt_length=512, new_tokens=64, repeats=3)
 QUICK_DEFAULTS = dict(ranks=[0, 2], prompt_length=32, new_tokens=8, repeats=2)
@@ -151,7 +156,8 @@ def bench_rank(rank: int, backbone, shape: dict, args) -> dict:
     fiber = build_fiber(shape, rank, backbone)  # geometry awake, checked against the backbone
     models = {"backbone": backbone, "fiber": fiber}
     input_ids = prompt(shape, args.prompt_length)
-    row = {"r": rank, "eager": {}, "compiled": {}}
+    row = {"r": rank, "awake_max_logit_difference": logit_difference(fiber, backbone, shape), "eager": {},
+           "compiled": {}}
 
     def calls(static: bool) -> dict:
         return {(name, k): Generation(models[name], input_ids, k, static)
