@@ -7,7 +7,7 @@ over and distort the ratios, so the load average is recorded at the start and th
 
     .venv/bin/python benchmarks/bench_generation.py --ranks 0 1 2 4 --repeats 3 --json benchmarks/bench_generation.json
 
-Smoke run (tiny 2-layer shape, 32-token prompt, 8 new tokens, r = 0 and 2; about a minute, mostly compiling):
+Smoke run (tiny 2-layer shape, 32-token prompt, 8 new tokens, r = 0 and 2; 1-2 min, mostly four cold compiles):
 
     .venv/bin/python benchmarks/bench_generation.py --quick
 
@@ -34,11 +34,11 @@ What is timed, every call being one whole ``model.generate`` call, wall clock, n
      reset and both models compile anew, cold: this script sets TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 (unless the
      environment sets it) so that no on-disk inductor cache from an earlier model or run shortens a compile. The
      first compiled call of each model compiles: its compile time is that first call minus the median steady call
-     (same N); the process's first-compile costs (imports, compile workers) are paid beforehand by compiling a
-     trivial function, reported apart. Steady calls are then timed like a) (whole call and decode-only). The run checks that each model's
-     forward really ran compiled (``model._compiled_call`` exists and dynamo captured a graph in the first call),
-     counts graphs captured in the steady calls (recompiles: 0 expected) and graph breaks (0; fullgraph would raise),
-     and compares each model's compiled greedy tokens with its eager ones.
+     (same N); the process's first-compile costs (imports, compile workers) are paid beforehand by compiling a trivial
+     function, reported apart. Steady calls are then timed like a) (whole call and decode-only). The run checks that
+     each model's forward really ran compiled (``model._compiled_call`` exists and dynamo captured a graph in the
+     first call), counts graphs captured in the steady calls (recompiles: 0 expected) and graph breaks (0; fullgraph
+     would raise), and compares each model's compiled greedy tokens with its eager ones.
 Timings alternate between the models and calls (fibre N, backbone N, fibre 1, backbone 1, then the reverse order, ...)
 after one untimed warm-up of each, so that machine noise hits both alike; medians of --repeats rounds. Ratios are
 fibre / backbone tokens/s: > 1 means the fibre model generates faster. Targets (reported, not asserted): at r = 2 the
@@ -283,7 +283,8 @@ def print_report(env: dict, result: dict) -> None:
               f"| {_cell(row, 'eager', 'fiber', 'decode_tok_s', '.2f')} | {_ratio(row, 'eager_decode')} "
               f"| {_cell(row, 'compiled', 'backbone', 'decode_tok_s', '.2f')} "
               f"| {_cell(row, 'compiled', 'fiber', 'decode_tok_s', '.2f')} | {_ratio(row, 'compiled_decode')} "
-              f"| {_cell(row, 'eager', 'backbone', 'prefill_s', '.3f')} | {_cell(row, 'eager', 'fiber', 'prefill_s', '.3f')} "
+              f"| {_cell(row, 'eager', 'backbone', 'prefill_s', '.3f')} "
+              f"| {_cell(row, 'eager', 'fiber', 'prefill_s', '.3f')} "
               f"| {dynamo} |")
     print("\nTargets (reported, not asserted):\n")
     for target in result["targets"]:
@@ -316,7 +317,8 @@ def parse_args(argv=None):
                         help="torch.compile mode of the CompileConfig (default 'default'; 'reduce-overhead', "
                              "transformers' default, only adds CUDA graphs, which the CPU does not have)")
     parser.add_argument("--quick", action="store_true",
-                        help="tiny 2-layer shape, short prompt: a smoke run of about a minute (numbers not meaningful)")
+                        help="tiny 2-layer shape, short prompt, r = 0 and 2: a smoke run of 1-2 min, mostly four cold "
+                             "compiles (numbers not meaningful)")
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH")
     args = parser.parse_args(argv)
     for key, value in (QUICK_DEFAULTS if args.quick else FULL_DEFAULTS).items():

@@ -289,10 +289,10 @@ def print_report(env: dict, result: dict) -> None:
     for key, value in env.items():
         print(f"- {key}: {value}")
     print("\nTimes are medians over repeats; gen tok/s is greedy decode with the KV cache (ratio > 1 = fibre faster);")
-    print("peak memory is the RSS increase of one call over the loaded model, in a fresh process. Every fibre model has its")
-    print("geometry awake (gates off the graft; its logits checked to differ from the backbone's). Greedy check: the")
-    print("timed decode loop gives the same tokens as `generate`, and at r = 0 the fibre model's `generate` gives the")
-    print("backbone's greedy tokens.\n")
+    print("peak memory is the RSS increase of one call over the loaded model, in a fresh process. Every fibre")
+    print("model has its geometry awake (gates off the graft; its logits checked to differ from the backbone's).")
+    print("Greedy check: the timed decode loop gives the same tokens as `generate`, and at r = 0 the fibre model's")
+    print("`generate` gives the backbone's greedy tokens.\n")
     print("| r | n | fwd ratio | fwd+bwd ratio | gen tok/s ratio | peak mem fwd ratio | peak mem fwd+bwd ratio |")
     print("|---|---|---|---|---|---|---|")
     for row in result["rows"]:
