@@ -1,0 +1,95 @@
+"""The benchmark scripts in benchmarks/: their shared builders time the geometry awake (never a model at its graft), and
+their smoke runs (--quick) complete with the checks they report passing."""
+
+import importlib.util
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def load_common():
+    spec = importlib.util.spec_from_file_location("benchmarks_common", BENCHMARKS / "common.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmarked_fibre_model_has_its_geometry_awake():
+    common = load_common()
+    shape = common.QUICK_SHAPE
+    backbone = common.build_backbone(shape)
+    model = common.build_fiber(shape, 2, backbone)  # raises if asleep
+    low, high = common.AWAKE_GATE_RANGE
+    gates = [getattr(layer.fiber, name) for layer in model.model.layers
+             for name in ("attn_gate", "flatness_gate", "ffn_gate")]
+    assert len(gates) == 3 * shape["num_hidden_layers"]
+    for gate in gates:
+        assert ((gate >= low) & (gate <= high)).all()
+    assert len({float(gate.detach().flatten()[0]) for gate in gates}) == len(gates)  # a different draw per gate
+    assert common.logit_difference(model, backbone, shape) > common.AWAKE_MIN_LOGIT_DIFFERENCE
+    # the weights are the backbone's: only the fibre parameters are the model's own
+    fibre_free = {k: v for k, v in model.state_dict().items() if ".fiber." not in k}
+    assert all(torch.equal(v, backbone.state_dict()[k]) for k, v in fibre_free.items())
+
+
+def test_a_model_at_its_graft_is_refused_and_rank_0_equals_the_backbone():
+    common = load_common()
+    shape = common.QUICK_SHAPE
+    backbone = common.build_backbone(shape)
+    model = common.build_fiber(shape, 1, backbone)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for name in ("attn_gate", "flatness_gate", "ffn_gate"):
+                getattr(layer.fiber, name).zero_()  # back at the graft
+    with pytest.raises(RuntimeError, match="asleep at the graft.*wake_geometry"):
+        common.check_awake(model, backbone, shape)
+    assert common.check_awake(common.build_fiber(shape, 0, backbone), backbone, shape) <= 1e-5
+
+
+def run_script(name, *args, timeout=600):
+    return subprocess.run([sys.executable, str(BENCHMARKS / name), *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=BENCHMARKS.parent)
+
+
+@pytest.mark.heavy
+def test_generation_benchmark_quick_run(tmp_path):
+    """bench_generation.py --quick: eager and compiled generate for r = 0 and 2, every check it reports passing."""
+    out = tmp_path / "gen.json"
+    proc = run_script("bench_generation.py", "--quick", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| r | eager tok/s backbone | fibre | ratio | compiled tok/s backbone" in proc.stdout
+    result = json.loads(out.read_text())
+    assert [row["r"] for row in result["rows"]] == [0, 2]
+    for row in result["rows"]:
+        for mode in ("eager", "compiled"):
+            for name in ("backbone", "fiber"):
+                assert row[mode][name]["whole_tok_s"] > 0 and row[mode][name]["decode_tok_s"] > 0
+        for name in ("backbone", "fiber"):
+            compiled = row["compiled"][name]
+            assert compiled["compiled_call_used"] and compiled["graphs_first_call"] >= 1
+            assert compiled["graph_breaks"] == 0
+            assert compiled["tokens_equal_eager"]
+            assert compiled["compile_s"] > 0
+        assert row["compiled"]["steady_recompiles"] == 0
+        assert set(row["ratio"]) == {"eager_whole", "eager_decode", "compiled_whole", "compiled_decode"}
+    assert result["rows"][0]["r0_tokens_equal_backbone"]
+    assert {"date", "cpu", "torch", "transformers", "torch_threads"} <= set(result["environment"])
+
+
+@pytest.mark.heavy
+def test_model_benchmark_quick_run(tmp_path):
+    out = tmp_path / "model.json"
+    proc = run_script("bench_model.py", "--quick", "--ranks", "0", "2", "--lengths", "64", "--repeats", "1",
+                      "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [row["r"] for row in result["rows"]] == [0, 2]
+    for row in result["rows"]:
+        assert row["decode_loop_matches_generate"]
+    assert result["rows"][0]["generate_matches_backbone"]
