@@ -1,6 +1,7 @@
 """Where the Fiber Bundle model's extra time goes on the CPU: the profile behind the speed targets that are not met.
 
-    .venv/bin/python benchmarks/bench_profile.py [--rank 2] [--threads 1] [--json PATH]
+    .venv/bin/python benchmarks/bench_profile.py [--rank 2] [--threads 1] [--json PATH]     # about 40 s
+    .venv/bin/python benchmarks/bench_profile.py --quick                                    # smoke run, seconds
 
 Two measurements, on the SmolLM2-135M shape (``common.FULL_SHAPE``), fp32, geometry awake (``common.build_fiber``):
 
@@ -25,7 +26,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from common import FULL_SHAPE, build_backbone, build_fiber, environment, prompt
+from common import FULL_SHAPE, QUICK_SHAPE, build_backbone, build_fiber, environment, prompt
 from transformers import DynamicCache
 
 import modeling_fiber_bundle.modeling_fiber_bundle as modeling
@@ -54,9 +55,9 @@ class PartTimer:
         setattr(owner, name, timed)
 
 
-def decode_profile(model, timer: PartTimer) -> dict:
+def decode_profile(model, timer: PartTimer, shape: dict, length: int) -> dict:
     """Per-step CPU ms of each wrapped part and of the whole step, and aten ops per step."""
-    ids = prompt(FULL_SHAPE, PROMPT)
+    ids = prompt(shape, length)
     with torch.no_grad():
         cache = DynamicCache(config=model.config)
         token = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
@@ -75,9 +76,9 @@ def decode_profile(model, timer: PartTimer) -> dict:
     return {"step_ms": 1e3 * total / DECODE_STEPS, "parts_ms": parts, "aten_ops_per_step": ops}
 
 
-def decode_section(rank: int) -> dict:
-    backbone = build_backbone(FULL_SHAPE).eval()
-    fiber = build_fiber(FULL_SHAPE, rank, backbone).eval()
+def decode_section(rank: int, shape: dict, length: int) -> dict:
+    backbone = build_backbone(shape).eval()
+    fiber = build_fiber(shape, rank, backbone).eval()
     timers = {"backbone": PartTimer(), "fibre": PartTimer()}
     for layer in backbone.model.layers:
         timers["backbone"].wrap(layer.self_attn, "forward", "attention module")
@@ -103,15 +104,15 @@ def decode_section(rank: int) -> dict:
 
     interface["sdpa"] = timed_sdpa
     try:
-        result = {"backbone": decode_profile(backbone, timers["backbone"])}
+        result = {"backbone": decode_profile(backbone, timers["backbone"], shape, length)}
     finally:
         del interface["sdpa"]
-    result["fibre"] = decode_profile(fiber, timers["fibre"])
+    result["fibre"] = decode_profile(fiber, timers["fibre"], shape, length)
     return result
 
 
-def attention_section(rank: int, lengths: list[int], repeats: int = 3) -> list[dict]:
-    heads, kv_heads, d = FULL_SHAPE["num_attention_heads"], FULL_SHAPE["num_key_value_heads"], FULL_SHAPE["head_dim"]
+def attention_section(rank: int, lengths: list[int], shape: dict, repeats: int = 3) -> list[dict]:
+    heads, kv_heads, d = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
     rows = []
     for n in lengths:
         gen = torch.Generator().manual_seed(0)
@@ -162,9 +163,9 @@ def attention_section(rank: int, lengths: list[int], repeats: int = 3) -> list[d
     return rows
 
 
-def print_report(decode: dict, attention: list[dict], rank: int) -> None:
+def print_report(decode: dict, attention: list[dict], rank: int, length: int) -> None:
     bb, fb = decode["backbone"], decode["fibre"]
-    print(f"\n## One decode step after a {PROMPT}-token prompt (r = {rank}), CPU ms per step\n")
+    print(f"\n## One decode step after a {length}-token prompt (r = {rank}), CPU ms per step\n")
     print(f"whole step: backbone {bb['step_ms']:.1f}, fibre {fb['step_ms']:.1f} "
           f"(ratio of tokens/s {bb['step_ms'] / fb['step_ms']:.3f}); aten ops per step: backbone "
           f"{bb['aten_ops_per_step']:.0f}, fibre {fb['aten_ops_per_step']:.0f}\n")
@@ -173,7 +174,7 @@ def print_report(decode: dict, attention: list[dict], rank: int) -> None:
     labels = ["attention module", "attention function", "factor rotation", "fibre state", "Woodbury step", "MLP"]
     for label in labels:
         print(f"| {label} | {bb['parts_ms'].get(label, 0.0):.1f} | {fb['parts_ms'].get(label, 0.0):.1f} |")
-    print("\n## One layer's attention (9 heads, 3 KV heads, head_dim 64, causal), CPU ms\n")
+    print("\n## One layer's attention (the shape's heads, KV heads and head_dim, causal), CPU ms\n")
     print("| n | mode | geodesic | SDPA | ratio | geodesic: share in matmuls, GFLOP, GFLOP/s | SDPA: share in matmuls |")
     print("|---|---|---|---|---|---|---|")
     for i in range(0, len(attention), 2):
@@ -191,15 +192,19 @@ def main(argv=None):
                         help="torch threads (default 1: CPU time then excludes other processes' load)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048],
                         help="sequence lengths of the attention measurement (default 512 2048)")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny 2-layer shape, a 32-token prompt, n = 64: a smoke run of seconds (figures meaningless)")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    decode = decode_section(args.rank)
-    attention = attention_section(args.rank, args.lengths)
-    print_report(decode, attention, args.rank)
+    shape, length = (QUICK_SHAPE, 32) if args.quick else (FULL_SHAPE, PROMPT)
+    lengths = [64] if args.quick else args.lengths
+    decode = decode_section(args.rank, shape, length)
+    attention = attention_section(args.rank, lengths, shape)
+    print_report(decode, attention, args.rank, length)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"environment": environment(False), "threads": args.threads, "rank": args.rank,
+            json.dump({"environment": environment(args.quick), "threads": args.threads, "rank": args.rank,
                        "decode": decode, "attention": attention}, f, indent=1)
         print(f"\nwrote {args.json}")
 

@@ -93,3 +93,22 @@ def test_model_benchmark_quick_run(tmp_path):
     for row in result["rows"]:
         assert row["decode_loop_matches_generate"]
     assert result["rows"][0]["generate_matches_backbone"]
+
+
+def test_profile_benchmark_quick_run(tmp_path):
+    """bench_profile.py --quick: both models' decode step split into its parts, and one layer's attention against SDPA."""
+    out = tmp_path / "profile.json"
+    proc = run_script("bench_profile.py", "--quick", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    backbone, fibre = result["decode"]["backbone"], result["decode"]["fibre"]
+    assert backbone["parts_ms"]["attention function"] > 0  # the backbone's SDPA was found and timed
+    for part in ("attention function", "fibre state", "Woodbury step", "factor rotation"):
+        assert fibre["parts_ms"][part] > 0, part
+    assert "fibre state" not in backbone["parts_ms"]
+    assert fibre["aten_ops_per_step"] > backbone["aten_ops_per_step"] > 0
+    assert [(row["mode"], row["path"]) for row in result["attention"]] == [
+        ("forward", "geodesic"), ("forward", "sdpa"), ("forward+backward", "geodesic"), ("forward+backward", "sdpa")]
+    assert all(row["ms"] > 0 for row in result["attention"])
+    assert result["attention"][0]["gemm_gflop"] > 0  # the geodesic path's products were counted
+    assert "| attention function |" in proc.stdout
