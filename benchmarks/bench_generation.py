@@ -53,7 +53,6 @@ os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
 import argparse  # noqa: E402
 import warnings  # noqa: E402
 import gc  # noqa: E402
-import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -69,9 +68,10 @@ from common import (  # noqa: E402
     build_backbone,
     build_fiber,
     environment,
+    finish,
     interleaved_runs,
-    load_average,
     logit_difference,
+    print_targets,
     prompt,
 )
 
@@ -286,11 +286,7 @@ def print_report(env: dict, result: dict) -> None:
               f"| {_cell(row, 'eager', 'backbone', 'prefill_s', '.3f')} "
               f"| {_cell(row, 'eager', 'fiber', 'prefill_s', '.3f')} "
               f"| {dynamo} |")
-    print("\nTargets (reported, not asserted):\n")
-    for target in result["targets"]:
-        status = {True: "met", False: "NOT met", None: "n/a (not measured in this run)"}[target["met"]]
-        values = ", ".join(f"{v:.3f}" for v in target["values"])
-        print(f"- {target['target']}: {status}" + (f" ({values})" if values else ""))
+    print_targets(result["targets"])
     for row in result["rows"]:
         if row["r"] == 0 and not row["r0_tokens_equal_backbone"]:
             print("- WARNING: the r = 0 fibre model's eager greedy tokens differ from the backbone's")
@@ -341,12 +337,7 @@ def main(argv=None):
     result = bench(args)
     if args.compile:
         env["compiler_warm_up_s"] = round(args.compiler_warm_up_s, 1)
-    env["load_average_1_5_15_min_at_end"] = load_average()
-    print_report(env, result)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"environment": env, **result}, f, indent=2)
-        print(f"\nwrote {args.json}")
+    finish(env, result, print_report, args.json)
 
 
 if __name__ == "__main__":

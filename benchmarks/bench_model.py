@@ -36,7 +36,6 @@ memory (peaks) or decodes faster (tokens/s).
 import argparse
 import ctypes
 import gc
-import json
 import multiprocessing
 import re
 import resource
@@ -51,10 +50,10 @@ from common import (
     build_backbone,
     build_fiber,
     environment as common_environment,
+    finish,
     interleaved,
-    load_average,
+    print_targets,
     prompt,
-    timed,
 )
 
 FULL_DEFAULTS = dict(ranks=[0, 1, 2, 4], lengths=[512, 2048], repeats=3, gen_tokens=16)
@@ -314,11 +313,7 @@ def print_report(env: dict, result: dict) -> None:
               f"| {b['mem_fwd_mib']:.1f} \\| {f['mem_fwd_mib']:.1f} "
               f"| {b['mem_fwd_bwd_mib']:.1f} \\| {f['mem_fwd_bwd_mib']:.1f} "
               f"| {greedy_check(row)} |")
-    print("\nTargets (reported, not asserted):\n")
-    for target in result["targets"]:
-        status = {True: "met", False: "NOT met", None: "n/a (not measured in this run)"}[target["met"]]
-        values = ", ".join(f"{v:.3f}" for v in target["values"])
-        print(f"- {target['target']}: {status}" + (f" ({values})" if values else ""))
+    print_targets(result["targets"])
 
 
 def parse_args(argv=None):
@@ -349,12 +344,7 @@ def main(argv=None):
     args = parse_args(argv)
     env = environment(args)
     result = bench(args)
-    env["load_average_1_5_15_min_at_end"] = load_average()
-    print_report(env, result)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"environment": env, **result}, f, indent=2)
-        print(f"\nwrote {args.json}")
+    finish(env, result, print_report, args.json)
 
 
 if __name__ == "__main__":

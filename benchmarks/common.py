@@ -6,6 +6,7 @@ Imported by ``bench_model.py`` and ``bench_generation.py`` as ``common`` (each s
 """
 
 import datetime
+import json
 import os
 import platform
 import re
@@ -186,6 +187,25 @@ def load_average() -> list[float] | None:
         return [round(x, 2) for x in os.getloadavg()]
     except (OSError, AttributeError):
         return None
+
+
+def print_targets(targets: list[dict]) -> None:
+    """Each target of a run with its measured values and whether it is met (reported, never asserted)."""
+    print("\nTargets (reported, not asserted):\n")
+    for target in targets:
+        status = {True: "met", False: "NOT met", None: "n/a (not measured in this run)"}[target["met"]]
+        values = ", ".join(f"{v:.3f}" for v in target["values"])
+        print(f"- {target['target']}: {status}" + (f" ({values})" if values else ""))
+
+
+def finish(env: dict, result: dict, print_report, json_path: str | None) -> None:
+    """The end of a benchmark run: the load average after it, the printed report, and the JSON file if asked for."""
+    env["load_average_1_5_15_min_at_end"] = load_average()
+    print_report(env, result)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"environment": env, **result}, f, indent=2)
+        print(f"\nwrote {json_path}")
 
 
 def environment(quick: bool) -> dict:
