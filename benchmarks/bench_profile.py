@@ -42,17 +42,20 @@ class PartTimer:
     def __init__(self):
         self.seconds = collections.defaultdict(float)
 
-    def wrap(self, owner, name: str, label: str) -> None:
-        inner = getattr(owner, name)
+    def timing(self, fn, label: str):
+        """``fn`` with its CPU time added to ``label``'s."""
 
         def timed(*args, **kwargs):
             start = time.process_time()
             try:
-                return inner(*args, **kwargs)
+                return fn(*args, **kwargs)
             finally:
                 self.seconds[label] += time.process_time() - start
 
-        setattr(owner, name, timed)
+        return timed
+
+    def wrap(self, owner, name: str, label: str) -> None:
+        setattr(owner, name, self.timing(getattr(owner, name), label))
 
 
 def decode_profile(model, timer: PartTimer, shape: dict, length: int) -> dict:
@@ -93,16 +96,7 @@ def decode_section(rank: int, shape: dict, length: int) -> dict:
     # the backbone's attention function: SDPA, looked up by LlamaAttention in transformers' attention interface, is
     # overridden for the backbone's run only (a local entry of that shared interface, deleted afterwards)
     interface = modeling.ALL_ATTENTION_FUNCTIONS
-    original = interface["sdpa"]
-
-    def timed_sdpa(*args, **kwargs):
-        start = time.process_time()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            timers["backbone"].seconds["attention function"] += time.process_time() - start
-
-    interface["sdpa"] = timed_sdpa
+    interface["sdpa"] = timers["backbone"].timing(interface["sdpa"], "attention function")
     try:
         result = {"backbone": decode_profile(backbone, timers["backbone"], shape, length)}
     finally:
