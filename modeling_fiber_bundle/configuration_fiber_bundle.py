@@ -73,11 +73,27 @@ class FiberBundleConfig(PreTrainedConfig):
 
     model_type = "fiber_bundle"
     keys_to_ignore_at_inference = ["cache"]
+    # Tensor parallelism splits attention by head: each rank holds a contiguous block of query heads and of their KV
+    # heads, and the metric's per-head parts follow them; what acts on the whole hidden vector is replicated.
     base_model_tp_plan = {
         "layers.*.self_attn.q_proj": "colwise",
         "layers.*.self_attn.k_proj": "colwise",
         "layers.*.self_attn.v_proj": "colwise",
+        # Qwen3's q/k RMSNorm: one weight shared by every head; each rank's gradient covers its own heads only
+        "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+        "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
         "layers.*.self_attn.o_proj": "rowwise",
+        # W_U: output laid out (factor heads, r, d), factor heads = query heads ("head") or KV heads ("kv_group"),
+        # so splitting rows like q_proj / k_proj gives each rank the factors of its own heads
+        "layers.*.fiber.attn_factor_proj": "colwise",
+        "layers.*.fiber.attn_gate": "colwise",  # theta (H,), one per query head: split like q_proj's heads
+        "layers.*.fiber.flatness_gate": "colwise",  # gamma (H,)
+        "layers.*.fiber": "local_params",  # its forward reads its own gates' local shards
+        # the fibre code feeds both parts; M_i^{-1} acts on the MLP output after down_proj's all-reduce (the whole
+        # hidden vector), so W_V and beta are replicated
+        "layers.*.fiber.code_proj": "replicate",
+        "layers.*.fiber.ffn_factor_proj": "replicate",
+        "layers.*.fiber.ffn_gate": "replicate",
         "layers.*.mlp.gate_proj": "colwise",
         "layers.*.mlp.up_proj": "colwise",
         "layers.*.mlp.down_proj": "rowwise",

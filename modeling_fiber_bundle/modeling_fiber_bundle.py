@@ -14,9 +14,11 @@ Only torch, transformers and sibling files are imported: this file is copied int
 """
 
 import math
+import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import chain
 from typing import NamedTuple
 
 import torch
@@ -233,7 +235,8 @@ class FiberBundleMetric(nn.Module):
         code = self.code_act(self.code_proj(normed_hidden))  # z: (B, n, m)
         attn_factors = alpha = gamma = ffn_factors = beta = None
         if self.metric_rank > 0 and part != "ffn":
-            raw = self.attn_factor_proj(code).view(b, n, self.factor_heads, self.metric_rank, self.head_dim)
+            # -1: the factor heads this module computes (all of them, or this rank's under tensor parallelism)
+            raw = self.attn_factor_proj(code).view(b, n, -1, self.metric_rank, self.head_dim)
             attn_factors = bounded_factors(raw.transpose(1, 2))  # (B, Hf, n, r, d)
             alpha = metric_gate(self.attn_gate)
             gamma = self.flatness_gate
@@ -368,7 +371,7 @@ class FiberBundleAttention(nn.Module):
         if output_geometry and geodesic:
             # measured in each token's own frame (before RoPE), where a homogeneous metric is one constant matrix
             geometry = layer_geometry(
-                expand_factors(fiber_state.attn_factors, self.num_heads),  # (B, H, n, r, d)
+                expand_factors(fiber_state.attn_factors, query_states.shape[1]),  # (B, H, n, r, d)
                 repeat_kv(key_states, self.num_key_value_groups),  # (B, H, n, d)
                 fiber_state.alpha,
                 self.config.geometry_block_size,
@@ -536,6 +539,30 @@ class FiberBundlePreTrainedModel(PreTrainedModel):
     _supports_attention_backend = False
     _can_compile_fullgraph = True  # static cache + torch.compile(fullgraph=True): tested, no graph break
     _can_record_outputs = None
+
+    def init_parallel_plans(self) -> None:
+        super().init_parallel_plans()
+        # the config's tensor-parallel plan names optional modules (Qwen3's q/k norms, each part of the metric): keep
+        # the rules that name something this model has, so that a tensor-parallel load warns of no unused rule
+        # (assigned, not set through the validating `tp_plan` setter: a torch without distributed registers no style)
+        names = chain(self.named_modules(), self.named_parameters())
+        names = {re.sub(r"\.\d+(\.|$)", r".*\1", name) for name, _ in names}  # layer numbers as the rules write them
+        self._tp_plan = {rule: style for rule, style in self._tp_plan.items() if rule in names}
+
+    @classmethod
+    def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
+        # transformers would split a head between two ranks (its colwise style allows a shorter last slice) and fail
+        # later in a reshape: say so before anything is sharded
+        tp_size = getattr(distributed_config, "tp_size", None) or 1
+        heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+        if tp_size > 1 and (heads % tp_size or kv_heads % tp_size):
+            fits = [size for size in range(2, kv_heads + 1) if kv_heads % size == 0]
+            raise ValueError(
+                f"Tensor parallelism splits attention by head: num_attention_heads ({heads}) and num_key_value_heads "
+                f"({kv_heads}) must be multiples of tp_size ({tp_size}). Run a number of processes that divides both "
+                f"({', '.join(map(str, fits)) or 'none above 1'}), or leave tensor parallelism off."
+            )
+        return super().maybe_distribute_model(model, distributed_config, mesh_manager)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         self._name_every_auto_class()  # transformers' save_pretrained then writes the code as save_code does
