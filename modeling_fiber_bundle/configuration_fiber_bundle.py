@@ -89,11 +89,9 @@ class FiberBundleConfig(PreTrainedConfig):
         "layers.*.fiber.attn_gate": "colwise",  # theta (H,), one per query head: split like q_proj's heads
         "layers.*.fiber.flatness_gate": "colwise",  # gamma (H,)
         "layers.*.fiber": "local_params",  # its forward reads its own gates' local shards
-        # the fibre code feeds both parts; M_i^{-1} acts on the MLP output after down_proj's all-reduce (the whole
-        # hidden vector), so W_V and beta are replicated
-        "layers.*.fiber.code_proj": "replicate",
-        "layers.*.fiber.ffn_factor_proj": "replicate",
-        "layers.*.fiber.ffn_gate": "replicate",
+        # no rule, so whole on every rank: W_z (the fibre code feeds both parts), W_V and beta (M_i^{-1} acts on the MLP
+        # output after down_proj's all-reduce, the whole hidden vector). Why no "replicate" rule: that style wraps the
+        # module's forward, and PEFT's modules_to_save copy would then run the original module's forward
         "layers.*.mlp.gate_proj": "colwise",
         "layers.*.mlp.up_proj": "colwise",
         "layers.*.mlp.down_proj": "rowwise",

@@ -11,6 +11,8 @@ from helpers import set_gates, tiny_model
 # The per-head parameters: one slice per query head (q_proj's split) or per KV head (k_proj's split), on dimension 0
 PER_HEAD = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "fiber.attn_factor_proj", "fiber.attn_gate",
             "fiber.flatness_gate")
+# The metric's parameters shared by every head: whole on every rank, under no rule
+SHARED = ("fiber.code_proj.weight", "fiber.ffn_factor_proj.weight", "fiber.ffn_factor_proj.bias", "fiber.ffn_gate")
 FULL_CONFIG = dict(qk_norm=True, attention_bias=True, mlp_bias=True)
 
 
@@ -24,8 +26,8 @@ def style_of(plan, name):
 def test_plan_splits_every_per_head_parameter_like_q_proj(sharing):
     """Every per-head parameter (q/k/v, the metric factors W_U, the gates theta and gamma) is split on its head axis
     with q_proj's style; every other parameter of the metric (W_z, W_V, beta: they act on the whole hidden vector, which
-    the MLP preconditioner sees after down_proj's all-reduce) is named by a rule and kept whole; the metric module,
-    which reads its gates itself, runs on its local shards."""
+    the MLP preconditioner sees after down_proj's all-reduce) is known and kept whole; the metric module, which reads
+    its gates itself, runs on its local shards."""
     model = tiny_model(metric_factor_sharing=sharing, **FULL_CONFIG)
     plan = model.tp_plan
     q_style = style_of(plan, "model.layers.0.self_attn.q_proj.weight")
@@ -35,7 +37,9 @@ def test_plan_splits_every_per_head_parameter_like_q_proj(sharing):
         if any(f".{part}." in f"{name}." for part in PER_HEAD):
             assert style == q_style, f"{name} holds one slice per head but the plan gives it {style!r}"
         elif ".fiber." in name:
-            assert style == "replicate", f"{name} is shared by every head: the plan must name it replicated"
+            assert name.endswith(SHARED), f"{name}: a new parameter of the metric; give it its rule in the plan"
+            # None, or for a bare parameter (beta) its module's local_params rule, which shards nothing
+            assert style in (None, "local_params"), f"{name} is shared by every head, but the plan gives it {style!r}"
     assert plan["model.layers.*.fiber"] == "local_params"
     for norm in ("q_norm", "k_norm"):  # one weight for every head: whole, its gradient summed over the ranks
         assert style_of(plan, f"model.layers.0.self_attn.{norm}.weight") == "replicated_with_grad_allreduce"
@@ -49,7 +53,7 @@ def test_plan_keeps_only_the_rules_that_name_something():
     plain = tiny_model(metric_rank=0)
     names = {re.sub(r"\.\d+(\.|$)", r".*\1", n) for n, _ in [*plain.named_modules(), *plain.named_parameters()]}
     assert set(plain.tp_plan) <= names
-    assert "model.layers.*.fiber.ffn_factor_proj" in plain.tp_plan
+    assert "model.layers.*.fiber" in plain.tp_plan  # the MLP metric is still there
     assert "model.layers.*.fiber.attn_gate" not in plain.tp_plan
     assert "model.layers.*.self_attn.q_norm" not in plain.tp_plan
 
