@@ -1,7 +1,7 @@
 """Big models. Loading: ``from_pretrained(..., device_map="auto", max_memory=..., offload_folder=...)`` with a budget
-smaller than the model (part on the CPU, the rest offloaded to disk) gives the tokens of a normal load, and loading never
-holds the model's weights twice (transformers builds the model on the meta device and fills it from the checkpoint).
-Sharded training: what FSDP through the Trainer does on this CPU-only machine (docs/distributed.md)."""
+smaller than the model (part on the CPU, the rest offloaded to disk) gives the tokens of a normal load, and loading
+never holds the model's weights twice (transformers builds the model on the meta device and fills it from the
+checkpoint). Sharded training: what FSDP through the Trainer does on this CPU-only machine (docs/distributed.md)."""
 
 import json
 import subprocess
@@ -54,8 +54,9 @@ def test_tiny_model_offloaded_to_disk_generates_as_a_normal_load(tmp_path, tie):
 
 @pytest.mark.heavy
 def test_converted_smollm2_offloaded_to_disk_generates_as_a_normal_load(converted, tmp_path):
-    """The real checkpoint through the Auto class (trust_remote_code) with 40% of its weights' bytes as the CPU
-    budget: the rest goes to disk, and greedy decoding gives the normal load's tokens."""
+    """The real checkpoint, loaded as a user does (AutoModelForCausalLM, trust_remote_code; in this process the
+    package's registered class answers) with 40% of its weights' bytes as the CPU budget: the rest goes to disk, and
+    greedy decoding gives the normal load's tokens."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(converted, trust_remote_code=True)
@@ -150,7 +151,8 @@ def test_fsdp_on_cpu_is_refused_not_silently_replaced_by_ddp(tmp_path, launch):
 
     worker = [str(Path(__file__).parent / "ddp_worker.py"), str(tmp_path), "4"]
     if launch == "trainer-fsdp":
-        fields = {"fsdp": True, "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": ["FiberBundleDecoderLayer"]}}
+        fsdp_config = {"version": 2, "transformer_layer_cls_to_wrap": ["FiberBundleDecoderLayer"]}
+        fields = {"fsdp": True, "fsdp_config": fsdp_config}
         command = [*torchrun_command(2), *worker, json.dumps(fields)]
     else:
         accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or "accelerate"
