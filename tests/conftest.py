@@ -19,3 +19,23 @@ def tmp_hub_home(tmp_path, monkeypatch):
     home = tmp_path / "hf_home"
     monkeypatch.setenv("HF_HOME", str(home))
     return home
+
+
+@pytest.fixture(scope="session")
+def gguf():
+    """SmolLM2-135M-Instruct's GGUF file (fetched once into the cache, ``fiber_bundle.conversion.assets``)."""
+    from fiber_bundle.conversion.assets import smollm2_gguf
+
+    return smollm2_gguf()
+
+
+@pytest.fixture(scope="session")
+def converted(gguf, tmp_path_factory):
+    """The GGUF converted to a Fiber Bundle Hub folder, once per session for every test module that reads it (tests
+    must not write into it)."""
+    from fiber_bundle.conversion import convert_checkpoint
+    from fiber_bundle.conversion.assets import SMOLLM2_HUB_ID
+
+    out = tmp_path_factory.mktemp("smollm2") / "fbt"
+    convert_checkpoint(gguf, out, base_model=SMOLLM2_HUB_ID, license="apache-2.0")
+    return out

@@ -1,6 +1,6 @@
 """Run by tests/test_training.py under ``torchrun --standalone --nproc_per_node N``: a few full-mode steps of the tiny
 model with DDP over gloo on CPU (a checkpoint every 2 steps), then the parameter checksums of every rank and rank 0's
-weights."""
+weights. Arguments: OUT PER_DEVICE_BATCH [JSON of further train_model fields]."""
 
 import json
 import sys
@@ -16,10 +16,12 @@ from test_training import pattern_dataset  # noqa: E402
 from fiber_bundle.training.trainer import train_model  # noqa: E402
 
 out, per_device = Path(sys.argv[1]), int(sys.argv[2])
+fields = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
 trainer = train_model(
     tiny_model(dtype=torch.float32), pattern_dataset(n=8), out / "run", mode="full", max_steps=4,
     learning_rate=3e-3, batch_size=per_device, use_cpu=True, ddp_find_unused_parameters=False, seed=0,
     save_strategy="steps", save_steps=2,  # staged checkpoints: every rank's files are in before the rename
+    **fields,
 )
 model = trainer.model
 checksum = sum(p.detach().double().sum().item() for p in model.parameters())

@@ -87,6 +87,17 @@ def random_ids(batch, length, vocab=TINY["vocab_size"], seed=0, low=3):
 from fiber_bundle.conversion.fresh_process import run_without_project  # noqa: E402,F401
 
 
+def torchrun_command(nproc: int) -> list[str]:
+    """``torchrun --standalone --nproc_per_node NPROC`` from this interpreter's environment (then the script and its
+    arguments)."""
+    import shutil
+    import sys
+    from pathlib import Path
+
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
+    return [torchrun, "--standalone", "--nproc_per_node", str(nproc)]
+
+
 def geometry_step_change(model, ids, lr=1e-2) -> float:
     """Freeze the backbone, take one AdamW step on the geometry parameters alone, return max |change of logits|."""
     model.train()

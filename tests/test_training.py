@@ -247,16 +247,16 @@ def test_two_process_ddp_matches_one_process(tmp_path):
     ranks, and the result of one process with the same global batch (every step sees the whole 8-block dataset); the
     staged checkpoints hold both ranks' RNG states."""
     import json
-    import shutil
     import subprocess
     import sys
     from pathlib import Path
 
+    from helpers import torchrun_command
+
     worker = Path(__file__).parent / "ddp_worker.py"
-    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
     runs = {}
     for name, command in (
-        ("ddp", [torchrun, "--standalone", "--nproc_per_node", "2", str(worker), str(tmp_path / "ddp"), "4"]),
+        ("ddp", [*torchrun_command(2), str(worker), str(tmp_path / "ddp"), "4"]),
         ("single", [sys.executable, str(worker), str(tmp_path / "single"), "8"]),
     ):
         (tmp_path / name).mkdir()

@@ -78,8 +78,25 @@ def build_trainer(model, train_dataset, args: FiberBundleTrainingArguments, *, e
         optimizers = (_two_rate_adamw(model, args), None)  # the Trainer adds its scheduler
     trainer = GeometryLoggingTrainer(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                                      data_collator=default_data_collator, probe_ids=probe_ids, optimizers=optimizers)
+    _check_fsdp_applies(trainer)
     _console(trainer)
     return trainer
+
+
+def _check_fsdp_applies(trainer) -> None:
+    """FSDP asked for (``fsdp`` / ``fsdp_config``, or ``accelerate launch --use_fsdp``) on CPU processes: accelerate
+    1.15 applies FSDP only on GPUs and other accelerators, and under ``use_cpu=True`` with several processes the Trainer
+    would silently train plain DDP, every parameter replicated (docs/distributed.md)."""
+    from accelerate.utils import DistributedType, parse_flag_from_env
+
+    asked = trainer.args.fsdp_plugin_args is not None or parse_flag_from_env("ACCELERATE_USE_FSDP")
+    if asked and not trainer.is_fsdp_enabled and trainer.accelerator.distributed_type == DistributedType.MULTI_CPU:
+        raise TrainingError(
+            "fsdp was asked for, but accelerate runs this job as MULTI_CPU without FSDP (it applies FSDP only on GPUs "
+            "or other accelerators; on CPU it would train plain DDP, every parameter replicated). Drop fsdp / "
+            "fsdp_config to train with DDP on CPU (torchrun --nproc_per_node N with use_cpu=True), or run on GPUs; "
+            "see docs/distributed.md."
+        )
 
 
 class _ProgressBarOnly(ProgressCallback):
