@@ -65,14 +65,12 @@ def test_two_process_tensor_parallel_matches_one_process(tmp_path):
     norms and q/k/v/o biases, the logits, the loss, every gradient and 8 greedy tokens (through the cache) equal one
     process's; each rank holds half the heads of q_proj, of W_U and of the gates, and all of W_z and W_V, whose
     gradients agree on both ranks."""
-    import shutil
     import subprocess
-    import sys
     from pathlib import Path
 
     from transformers import AutoModelForCausalLM
 
-    from helpers import random_ids
+    from helpers import random_ids, torchrun_command
 
     folders = []
     for sharing, extra in (("kv_group", {}), ("head", dict(qk_norm=True, attention_bias=True))):
@@ -81,8 +79,7 @@ def test_two_process_tensor_parallel_matches_one_process(tmp_path):
         torch.save(random_ids(2, 12), folder / "ids.pt")
         folders.append(folder)
     worker = Path(__file__).parent / "tp_worker.py"
-    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
-    command = [torchrun, "--standalone", "--nproc_per_node", "2", str(worker), *map(str, folders)]
+    command = [*torchrun_command(2), str(worker), *map(str, folders)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
 
