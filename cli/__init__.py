@@ -11,6 +11,8 @@ SUBCOMMANDS = {
                 "graft per-token metrics onto a LLaMA / Mistral / Qwen2 / Qwen3 checkpoint"),
     "train": ("fiber_bundle.training.cli:train",
               "fine-tune a Fiber Bundle folder with transformers' Trainer (full, metric-only or LoRA)"),
+    "merge": ("fiber_bundle.training.cli:merge",
+              "merge a LoRA (or QLoRA) adapter into its base: a full-precision Fiber Bundle folder"),
     "publish": ("fiber_bundle.training.cli:publish",
                 "check a Fiber Bundle folder, finish its model card and upload it to the Hub"),
     "analyze": ("fiber_bundle.analysis.cli:analyze",

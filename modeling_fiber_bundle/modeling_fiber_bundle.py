@@ -232,6 +232,8 @@ class FiberBundleMetric(nn.Module):
         """The layer's metric field: every token's factors and the gates, of ``part`` ("attention", "ffn" or "all"; None
         for the other part and for a part whose rank is 0)."""
         b, n, _ = normed_hidden.shape
+        if self.code_proj.weight.is_floating_point():  # kept in float32 under a float16 load (_keep_in_fp32_modules)
+            normed_hidden = normed_hidden.to(self.code_proj.weight.dtype)
         code = self.code_act(self.code_proj(normed_hidden))  # z: (B, n, m)
         attn_factors = alpha = gamma = ffn_factors = beta = None
         if self.metric_rank > 0 and part != "ffn":
@@ -533,6 +535,10 @@ class FiberBundlePreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["FiberBundleDecoderLayer"]
+    # The metric stays in full precision: bitsandbytes 4/8-bit loading leaves these modules unquantised (its skip list
+    # matches a module name's suffix: hence the fiber Linears by name) and a float16 load keeps them in float32 (its
+    # dtype plan searches parameter names: "fiber" covers the gates too). They train beside a quantised backbone.
+    _keep_in_fp32_modules = ["fiber", "fiber.code_proj", "fiber.attn_factor_proj", "fiber.ffn_factor_proj"]
     _supports_sdpa = True  # metric_rank == 0 dispatches to sdpa; geodesic layers accept sdpa and eager masks
     _supports_flash_attn = False
     _supports_flex_attn = True  # metric_rank == 0 dispatches to flex; geodesic layers read its BlockMask

@@ -1,9 +1,10 @@
 """Fine-tuning and publishing Fiber Bundle models with transformers' Trainer, PEFT, datasets and huggingface_hub
 (installed as ``fiber_bundle.training``): ``arguments`` (``FiberBundleTrainingArguments``, every training option),
 ``modes`` (full / metric-only / LoRA), ``data`` (sources and packing), ``trainer`` (``train_model``,
-``run_training``), ``checkpoints`` (checkpoints complete or absent, SIGTERM, a final model written whole), ``errors``
-(``TrainingError``, ``TrainingStopped``), ``geometry_logging``, ``publish`` and ``cli`` (``fiber-bundle train`` and
-``publish``).
+``run_training``), ``merge`` (``merge_adapter``: a LoRA or QLoRA adapter merged into its full-precision base),
+``checkpoints`` (checkpoints complete or absent, SIGTERM, a final model written whole), ``errors``
+(``TrainingError``, ``TrainingStopped``), ``geometry_logging``, ``publish`` and ``cli`` (``fiber-bundle train``,
+``merge`` and ``publish``).
 """
 
 from .modes import LORA_TARGET_MODULES, TRAINING_MODES, prepare_for_training, trainable_parameter_names

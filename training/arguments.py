@@ -13,6 +13,7 @@ Where the project's meaning differs from a ``TrainingArguments`` field of a simi
 * ``batch_size`` (``--batch-size``) sets both ``per_device_train_batch_size`` and ``per_device_eval_batch_size``.
 """
 
+import importlib.util
 from dataclasses import dataclass, field
 
 import torch
@@ -85,6 +86,12 @@ class FiberBundleTrainingArguments(TrainingArguments):
         "help": "weight of the curvature regulariser (default: the model config's)"})
     torsion_weight: float | None = field(default=None, metadata={
         "help": "weight of the torsion regulariser (default: the model config's)"})
+    load_in_4bit: bool = field(default=False, metadata={
+        "help": "QLoRA: load MODEL's backbone quantised to 4-bit NF4 with bitsandbytes (the metric stays in full "
+                "precision) and train LoRA adapters plus the metric on it (--mode lora); needs the quantization extra "
+                "(pip install 'fiber-bundle-transformers[quantization]')"})
+    load_in_8bit: bool = field(default=False, metadata={
+        "help": "as --load-in-4bit, with the backbone quantised to 8-bit (bitsandbytes LLM.int8)"})
     base_model_id: str | None = field(default=None, metadata={
         "help": "--mode lora: Hub id of the base model, recorded in adapter_config.json (default: MODEL)"})
     resume: bool = field(default=False, metadata={
@@ -128,8 +135,26 @@ class FiberBundleTrainingArguments(TrainingArguments):
                 TrainingArguments.__dataclass_fields__["optim"].default):
             raise TrainingError("optim (transformers' optimiser) applies with optimizer adamw and no "
                                 "metric_learning_rate, where the Trainer builds the optimiser; drop --optim.")
+        if self.load_in_4bit and self.load_in_8bit:
+            raise TrainingError("load_in_4bit and load_in_8bit are two ways to quantise the backbone: pass one of "
+                                "--load-in-4bit and --load-in-8bit, not both.")
         if self.save_strategy == SaveStrategy.STEPS and not self.save_steps:
             raise TrainingError("save_strategy 'steps' needs save_steps > 0: pass --save_steps N.")
+
+    def quantization_config(self):
+        """The ``BitsAndBytesConfig`` that ``load_in_4bit`` (NF4) or ``load_in_8bit`` asks for, None for a
+        full-precision load; ``TrainingError`` naming the extra to install when bitsandbytes is missing."""
+        if not (self.load_in_4bit or self.load_in_8bit):
+            return None
+        if importlib.util.find_spec("bitsandbytes") is None:
+            flag = "--load-in-4bit" if self.load_in_4bit else "--load-in-8bit"
+            raise TrainingError(f"{flag} needs bitsandbytes, which is not installed: pip install "
+                                "'fiber-bundle-transformers[quantization]' (or pip install bitsandbytes).")
+        from transformers import BitsAndBytesConfig
+
+        if self.load_in_4bit:
+            return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")
+        return BitsAndBytesConfig(load_in_8bit=True)
 
     @property
     def checkpoint_to_resume(self) -> bool | str | None:

@@ -1,4 +1,5 @@
-"""``fiber-bundle train`` and ``fiber-bundle publish``: thin command lines over ``run_training`` and ``publish``.
+"""``fiber-bundle train``, ``merge`` and ``publish``: thin command lines over ``run_training``, ``merge_adapter`` and
+``publish``.
 
 ``train`` is parsed by transformers' ``HfArgumentParser`` into ``FiberBundleTrainingArguments``, so every
 ``TrainingArguments`` field is a flag (``--gradient_accumulation_steps``, ``--warmup_steps``, ``--bf16``, ...) beside
@@ -85,4 +86,32 @@ def publish(argv: list[str]) -> int:
         return report_failure("publish", error, traceback=False)
     action = "would upload (dry run)" if result["dry_run"] else "uploaded"
     print(f"{action} {len(result['files'])} files to {result['repo_id']}: {', '.join(result['files'])}")
+    return 0
+
+
+def merge(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="fiber-bundle merge",
+        description="Merge a LoRA adapter (the OUTPUT of fiber-bundle train --mode lora, QLoRA included) into its base "
+                    "in full precision and save a Fiber Bundle folder (weights, tokenizer, card, remote code) that "
+                    "loads with trust_remote_code and no PEFT.",
+    )
+    parser.add_argument("adapter", help="the adapter folder (adapter_config.json, adapter_model.safetensors)")
+    parser.add_argument("output", help="folder for the merged model")
+    parser.add_argument("--base", default=None, help="the full-precision Fiber Bundle folder the adapter was trained "
+                                                     "on (default: base_model_name_or_path in adapter_config.json)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an OUTPUT that already holds a model or other files (once the merged model is "
+                             "complete)")
+    parser.add_argument("--traceback", action="store_true",
+                        help="print the full Python traceback of an error (for bug reports)")
+    args = parser.parse_args(argv)
+
+    from .merge import merge_adapter
+
+    try:
+        result = merge_adapter(args.adapter, args.output, base=args.base, overwrite=args.overwrite)
+    except (ValueError, OSError) as error:
+        return report_failure("merge", error, args.traceback)
+    print(f"merged {result['adapter']} into {result['base']} -> {result['output']}")
     return 0

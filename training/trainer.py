@@ -63,7 +63,8 @@ def build_trainer(model, train_dataset, args: FiberBundleTrainingArguments, *, e
         if getattr(args, name) is not None:
             setattr(model.config, name, getattr(args, name))
     set_seed(args.seed)  # why: LoRA's A matrices are drawn in prepare_for_training, before the Trainer seeds anything
-    model = prepare_for_training(model, args.mode, lora_r=args.lora_r)
+    model = prepare_for_training(model, args.mode, lora_r=args.lora_r,
+                                 gradient_checkpointing=args.gradient_checkpointing)  # read by QLoRA's preparation
     if probe_ids is None and len(train_dataset):
         probe_ids = torch.tensor(train_dataset[:1]["input_ids"])
     optimizers = (None, None)
@@ -185,7 +186,8 @@ def run_training(model_path: str | Path, output: str | Path, args: FiberBundleTr
     except Exception as error:
         raise TrainingError(f"could not read MODEL {model_path} ({describe(error)}); pass a Fiber Bundle folder, e.g. "
                             "the output of fiber-bundle convert.") from error
-    problem = mode_problem(args.mode, config)
+    quantization = args.quantization_config()  # None, or bitsandbytes 4-bit / 8-bit (QLoRA)
+    problem = mode_problem(args.mode, config, quantization)
     if problem:
         raise TrainingError(f"{problem}.")
     if args.data is None:
@@ -198,7 +200,7 @@ def run_training(model_path: str | Path, output: str | Path, args: FiberBundleTr
     train_set = training_blocks(train_text, tokenizer, args.block_size, name=train_name)
     eval_set = training_blocks(eval_text, tokenizer, args.block_size, name=eval_name) if eval_text is not None else None
 
-    model = FiberBundleForCausalLM.from_pretrained(model_path)
+    model = FiberBundleForCausalLM.from_pretrained(model_path, quantization_config=quantization)
     if earlier_checkpoints:  # every check has passed: only now are they removed
         start_again(output)
     trainer = build_trainer(model, train_set, args, eval_dataset=eval_set)
@@ -213,6 +215,7 @@ def run_training(model_path: str | Path, output: str | Path, args: FiberBundleTr
     result = {"mode": args.mode, "steps": trainer.state.global_step, "eval_loss_before": before,
               "eval_loss_after": after, "block_size": args.block_size, "learning_rate": args.learning_rate,
               "batch_size": args.per_device_train_batch_size, "seed": args.seed, "optimizer": args.optimizer,
+              **({"quantization": "4-bit NF4" if args.load_in_4bit else "8-bit"} if quantization else {}),
               **(riemannian if args.optimizer != "adamw" else {})}
 
     def write(folder: Path):
