@@ -19,3 +19,22 @@ def tmp_hub_home(tmp_path, monkeypatch):
     home = tmp_path / "hf_home"
     monkeypatch.setenv("HF_HOME", str(home))
     return home
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf_file():
+    """SmolLM2-135M-Instruct's GGUF file (fetched once into the cache, ``fiber_bundle.conversion.assets``)."""
+    from fiber_bundle.conversion.assets import smollm2_gguf
+
+    return smollm2_gguf()
+
+
+@pytest.fixture(scope="session")
+def smollm2_converted(smollm2_gguf_file, tmp_path_factory):
+    """SmolLM2 converted once per test session (read-only for the tests that share it)."""
+    from fiber_bundle.conversion import convert_checkpoint
+    from fiber_bundle.conversion.assets import SMOLLM2_HUB_ID
+
+    out = tmp_path_factory.mktemp("smollm2") / "fbt"
+    convert_checkpoint(smollm2_gguf_file, out, base_model=SMOLLM2_HUB_ID, license="apache-2.0")
+    return out

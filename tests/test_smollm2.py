@@ -11,22 +11,20 @@ from huggingface_hub import ModelCard
 
 from helpers import geometry_step_change, run_without_project
 from fiber_bundle.conversion import convert_checkpoint
-from fiber_bundle.conversion.assets import SMOLLM2_HUB_ID, smollm2_gguf
+from fiber_bundle.conversion.assets import SMOLLM2_HUB_ID
 from modeling_fiber_bundle import FiberBundleForCausalLM
 
 pytestmark = pytest.mark.heavy
 
 
 @pytest.fixture(scope="module")
-def gguf():
-    return smollm2_gguf()
+def gguf(smollm2_gguf_file):
+    return smollm2_gguf_file
 
 
 @pytest.fixture(scope="module")
-def converted(gguf, tmp_path_factory):
-    out = tmp_path_factory.mktemp("smollm2") / "fbt"
-    convert_checkpoint(gguf, out, base_model=SMOLLM2_HUB_ID, license="apache-2.0")
-    return out
+def converted(smollm2_converted):  # conftest.py: converted once per session, shared with test_evaluation.py
+    return smollm2_converted
 
 
 def check_report(folder):
