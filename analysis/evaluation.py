@@ -13,6 +13,10 @@ JSON Lines file, read by the ``datasets`` "json" builder):
 Any other harness task (built in, or a YAML folder passed as ``include_path``) runs beside them. At the graft a
 converted model's per-example loglikelihoods equal its source's (docs/design.md section 2), so the comparison reports,
 besides each metric, the largest per-example loglikelihood difference of each task.
+
+In this process (which imports the project, whose classes are registered with transformers' Auto classes) a Fiber
+Bundle folder runs on the project's own modeling code; the printed ``lm_eval`` commands, run from a shell, run the
+folder's copy of it (the same files: tests/test_evaluation.py checks both).
 """
 
 import contextlib
