@@ -1,5 +1,6 @@
 """``fiber-bundle analyze``: the measurements of docs/design.md section 4, each a thin command over this package's functions.
-Every subcommand writes a JSON file of figures and a PNG plot into --out."""
+Every subcommand writes a JSON file of figures and a PNG plot into --out. And ``fiber-bundle evaluate``: a model and its
+source side by side on lm-evaluation-harness tasks (``evaluation``)."""
 
 import argparse
 from pathlib import Path
@@ -258,3 +259,72 @@ def _run(handler):
 def analyze(argv: list[str]) -> int:
     args = analyze_parser().parse_args(argv)
     return args.handler(args)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# fiber-bundle evaluate: a thin command over analysis.evaluation
+# ----------------------------------------------------------------------------------------------------------------------
+def evaluate_parser() -> argparse.ArgumentParser:
+    from .evaluation import PACKAGED_TASKS
+
+    parser = argparse.ArgumentParser(
+        prog="fiber-bundle evaluate",
+        description="Run EleutherAI's lm-evaluation-harness (`lm_eval --model hf`) on MODEL and on its SOURCE, and "
+                    "print their metrics side by side with each task's largest per-example loglikelihood difference "
+                    f"(zero at the graft). Packaged offline tasks: {', '.join(PACKAGED_TASKS)}. Needs the harness: "
+                    "pip install 'fiber-bundle-transformers[evaluation]'.",
+    )
+    parser.add_argument("model", help="the model to evaluate: a Fiber Bundle folder (or any checkpoint folder, Hub id "
+                                      "or .gguf file)")
+    parser.add_argument("source", nargs="?", default=None,
+                        help="the checkpoint MODEL was converted from: a folder, a Hub id or a .gguf file (omit to "
+                             "evaluate MODEL alone)")
+    parser.add_argument("--tasks", default=",".join(PACKAGED_TASKS),
+                        help="comma-separated harness task names: the packaged ones, the harness's own, or ones in "
+                             "--include-path (default: %(default)s)")
+    parser.add_argument("--limit", type=int, default=None, help="score only the first N documents of each task")
+    parser.add_argument("--batch-size", default="1", help="documents per forward pass, or 'auto' (default: 1)")
+    parser.add_argument("--include-path", action="append", default=[], metavar="FOLDER",
+                        help="a folder of harness task YAMLs to add (repeatable)")
+    parser.add_argument("--tasks-dir", default=None,
+                        help="write the packaged tasks into this folder and keep them, so that the printed lm_eval "
+                             "commands can rerun them (default: a temporary folder)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float64", "bfloat16", "float16"],
+                        help="dtype both models are loaded in (default: auto, each checkpoint's own)")
+    parser.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda:0 (default: the GPU when "
+                                                       "there is one, else the CPU)")
+    parser.add_argument("--gguf-file", default=None, help="GGUF file name inside MODEL when MODEL is a folder")
+    parser.add_argument("--source-gguf-file", default=None, help="GGUF file name inside SOURCE when SOURCE is a folder")
+    parser.add_argument("--json", default=None, metavar="PATH",
+                        help="also write the comparison (metrics, rows, per-example loglikelihoods) to this JSON file")
+    return parser
+
+
+def _batch_size(value: str) -> int | str:
+    if value == "auto" or (value.isdigit() and int(value) > 0):
+        return value if value == "auto" else int(value)
+    raise ValueError(f"--batch-size must be a positive integer or 'auto', got {value!r}.")
+
+
+def evaluate(argv: list[str]) -> int:
+    args = evaluate_parser().parse_args(argv)
+    import json
+
+    try:
+        from .evaluation import compare_on_harness, comparison_table
+
+        tasks = [task.strip() for task in args.tasks.split(",") if task.strip()]
+        comparison = compare_on_harness(args.model, args.source, tasks, gguf_file=args.gguf_file,
+                                        source_gguf_file=args.source_gguf_file, limit=args.limit,
+                                        batch_size=_batch_size(args.batch_size), include_paths=args.include_path,
+                                        dtype=args.dtype, device=args.device, tasks_dir=args.tasks_dir)
+    except (ValueError, FileNotFoundError, ImportError) as error:
+        return report_failure("evaluate", error, traceback=False)
+    print(comparison_table(comparison))
+    for name, run in comparison["runs"].items():
+        print(f"{name}: {run['seconds']:.0f} s; the same with the harness's own command:\n  {run['command']}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(comparison, indent=2, default=str))
+        print(f"-> {args.json}")
+    return 0

@@ -17,6 +17,8 @@ SUBCOMMANDS = {
                 "check a Fiber Bundle folder, finish its model card and upload it to the Hub"),
     "analyze": ("fiber_bundle.analysis.cli:analyze",
                 "measure rank collapse, intrinsic rank and the geometry; compare with LoRA"),
+    "evaluate": ("fiber_bundle.analysis.cli:evaluate",
+                 "run lm-evaluation-harness tasks on a converted model and its source, side by side"),
 }
 
 

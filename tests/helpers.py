@@ -125,3 +125,17 @@ def tiny_tokenizer(vocab_size=TINY["vocab_size"]):
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
     tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
     return tokenizer
+
+
+def tiny_char_tokenizer(vocab_size=TINY["vocab_size"]):
+    """A character-level tokenizer for the tiny models, so that real text (pydoc topics, arithmetic) has real tokens:
+    ids 3 ... vocab_size-1 are newline and the printable ASCII characters in order (those past the vocabulary, and any
+    other character, become <pad>)."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = "\n" + "".join(map(chr, range(32, 127)))
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate(alphabet[: vocab_size - 3])}}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<pad>"))  # no merges: one token per character
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
