@@ -215,7 +215,7 @@ def run_training(model_path: str | Path, output: str | Path, args: FiberBundleTr
     result = {"mode": args.mode, "steps": trainer.state.global_step, "eval_loss_before": before,
               "eval_loss_after": after, "block_size": args.block_size, "learning_rate": args.learning_rate,
               "batch_size": args.per_device_train_batch_size, "seed": args.seed, "optimizer": args.optimizer,
-              **({"quantization": "4-bit NF4" if args.load_in_4bit else "8-bit"} if quantization else {}),
+              **({"quantization": quantised} if (quantised := _quantisation_of(model)) else {}),
               **(riemannian if args.optimizer != "adamw" else {})}
 
     def write(folder: Path):
@@ -228,6 +228,18 @@ def run_training(model_path: str | Path, output: str | Path, args: FiberBundleTr
 
     write_output(output, write)
     return {**result, "output": str(output)}
+
+
+def _quantisation_of(model) -> str | None:
+    """How the loaded ``model``'s weights are quantised ("4-bit NF4", "8-bit"), read from the model itself (what it was
+    loaded as, not what was asked for), or None for full precision."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is None:
+        return None
+    config = quantizer.quantization_config
+    if getattr(config, "load_in_4bit", False):
+        return f"4-bit {config.bnb_4bit_quant_type.upper()}"
+    return "8-bit" if getattr(config, "load_in_8bit", False) else str(getattr(config, "quant_method", "quantised"))
 
 
 def _named(source) -> str:
