@@ -50,6 +50,31 @@ def _optimizers(args) -> int:
     return 0
 
 
+def _scratch(args) -> int:
+    from .scratch import run_scratch_comparison
+
+    fields = {"num_hidden_layers": args.layers, "hidden_size": args.width, "intermediate_size": args.intermediate_size,
+              "num_attention_heads": args.heads, "num_key_value_heads": args.kv_heads, "metric_rank": args.metric_rank,
+              "ffn_metric_rank": args.ffn_metric_rank, "metric_hidden": args.metric_hidden}
+    results = run_scratch_comparison(args.out, seeds=args.seeds, learning_rates=args.learning_rates,
+                                     strong=args.strong_alphas, arms=args.arms,
+                                     model_fields={k: v for k, v in fields.items() if v is not None},
+                                     max_steps=args.max_steps, batch_size=args.batch_size, block_size=args.block_size,
+                                     eval_blocks=args.eval_blocks, eval_every=args.eval_every,
+                                     warmup_steps=args.warmup_steps, max_extensions=args.max_extensions)
+    print(f"{results['budget']['tokens']:,} tokens per run, {len(results['seeds'])} seeds, held-out "
+          f"{results['eval_blocks']} x {results['budget']['block_size']} bytes")
+    for arm, row in results["summary"].items():
+        versus = (f", vs euclidean {row['loss_vs_euclidean']:+.4f} ± {row['loss_vs_euclidean_std']:.4f}"
+                  if row.get("loss_vs_euclidean") is not None and arm != "euclidean" else "")
+        loss = ("diverged" if row["eval_loss_after_mean"] is None else
+                f"{row['eval_loss_after_mean']:.4f} ± {row['eval_loss_after_std']:.4f}")
+        print(f"  {arm:12s} lr {row['learning_rate']:g}{' (sweep edge)' if row['at_sweep_edge'] else ''}: held-out "
+              f"loss {loss}{versus}; {row['seconds_per_step_mean']:.2f} s/step; {row['parameters']:,} parameters")
+    print(f"-> {Path(args.out) / 'scratch.json'}, {Path(args.out) / 'scratch.png'}")
+    return 0
+
+
 def _collapse(args) -> int:
     from .reports import run_collapse
     from .stacks import StackSpec
@@ -153,6 +178,13 @@ SUBCOMMANDS = {
         "(mean ± std, and minus AdamW's paired by seed) and seconds per step relative to AdamW. The Riemannian "
         "optimisers train the factored pairs; the other parameters use AdamW at AdamW's best rate. A rerun continues "
         "a stopped comparison."),
+    "scratch": (
+        "from scratch: Euclidean vs Riemannian (gates 0, strong starts) at equal parameters and tokens",
+        "Train small byte-level models from scratch on the standard library's source (split by module): the Euclidean "
+        "twin (its MLP widened by the metric's parameters), the Riemannian model with gates 0, and with strong starts "
+        "(alpha in --strong-alphas, gamma 1). Each arm's learning rate is swept on the first seed, the best re-run on "
+        "every seed; held-out loss curves, time per step, residual per layer, score rank, gates and proxies. A rerun "
+        "continues a stopped comparison."),
 }
 
 
@@ -241,6 +273,34 @@ def analyze_parser() -> argparse.ArgumentParser:
     optimizers.add_argument("--adamw-learning-rate", type=float, default=None,
                             help="AdamW rate of the non-factored parameters when adamw is not among --optimizers "
                                  "(default: AdamW's best rate already in OUT's results, else 3e-2)")
+
+    scratch = command("scratch", _scratch)
+    scratch.add_argument("--out", required=True, help="folder for scratch.json and scratch.png (rerun to continue)")
+    scratch.add_argument("--arms", nargs="+", default=None,
+                         help="arms to run (default: euclidean gates-0 and strong-ALPHA for each --strong-alphas)")
+    scratch.add_argument("--strong-alphas", type=float, nargs="+", default=[1.0, 10.0],
+                         help="alpha of the strong-start arms (gamma starts at 1)")
+    scratch.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
+                         help="seeds; the first one is used for the learning-rate sweep")
+    scratch.add_argument("--learning-rates", type=float, nargs="+", default=[1e-3, 3e-3, 1e-2],
+                         help="the sweep grid of every arm")
+    scratch.add_argument("--max-extensions", type=int, default=1,
+                         help="grid steps the sweep may add beyond the grid's edge while the best rate lies there")
+    scratch.add_argument("--max-steps", type=int, default=200, help="optimiser steps per run")
+    scratch.add_argument("--batch-size", type=int, default=16, help="blocks per step")
+    scratch.add_argument("--block-size", type=int, default=128, help="bytes (tokens) per block")
+    scratch.add_argument("--warmup-steps", type=int, default=10, help="linear warm-up steps before the linear decay")
+    scratch.add_argument("--eval-blocks", type=int, default=64, help="held-out blocks scored")
+    scratch.add_argument("--eval-every", type=int, default=25, help="score the held-out blocks every N steps")
+    scratch.add_argument("--layers", type=int, default=None, help="decoder layers (default 4)")
+    scratch.add_argument("--width", type=int, default=None, help="hidden size (default 192)")
+    scratch.add_argument("--intermediate-size", type=int, default=None,
+                         help="MLP width of the Riemannian arms (default 512; the Euclidean arm's is derived)")
+    scratch.add_argument("--heads", type=int, default=None, help="attention heads (default 6)")
+    scratch.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default 2)")
+    scratch.add_argument("--metric-rank", type=int, default=None, help="attention metric rank r (default 2)")
+    scratch.add_argument("--ffn-metric-rank", type=int, default=None, help="MLP preconditioner rank (default 2)")
+    scratch.add_argument("--metric-hidden", type=int, default=None, help="fibre code width m (default 32)")
     return parser
 
 

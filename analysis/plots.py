@@ -145,3 +145,44 @@ def plot_compare(results: dict, path: str | Path) -> Path:
     ax_curve.set_ylabel("training loss (mean over seeds)")
     ax_curve.legend(fontsize=8)
     return save_figure(fig, path)
+
+
+def plot_scratch(results: dict, path: str | Path) -> Path:
+    """From-scratch comparison: held-out loss curves at each arm's best rate (mean over seeds, min-max band), the
+    learning-rate sweep (first seed), the rank-collapse residual per layer and the learned alpha per layer."""
+    fig, (ax_curve, ax_sweep, ax_residual, ax_alpha) = figure(ncols=2, nrows=2)
+    summary = results["summary"]
+    for colour, (arm, row) in enumerate(summary.items()):
+        runs = [r for r in results["runs"] if r["arm"] == arm and r["learning_rate"] == row["learning_rate"]
+                and r["eval_loss_after"] is not None]
+        label = (f"{arm} (lr {row['learning_rate']:g}): {row['eval_loss_after_mean']:.4f} ± "
+                 f"{row['eval_loss_after_std']:.4f}" if row["eval_loss_after_mean"] is not None else arm)
+        if runs:
+            steps = [step for step, _ in runs[0]["eval_curve"]]
+            columns = list(zip(*([loss for _, loss in r["eval_curve"]] for r in runs)))
+            ax_curve.plot(steps, [sum(c) / len(c) for c in columns], color=f"C{colour}", label=label)
+            ax_curve.fill_between(steps, [min(c) for c in columns], [max(c) for c in columns], color=f"C{colour}",
+                                  alpha=0.2)
+        sweep = sorted((float(lr), loss) for lr, loss in row["sweep"].items() if loss is not None)
+        ax_sweep.plot([lr for lr, _ in sweep], [loss for _, loss in sweep], "o-", color=f"C{colour}", label=arm)
+        layers = range(len(row["residual_per_layer"]))
+        ax_residual.plot(layers, row["residual_per_layer"], "o-", color=f"C{colour}", label=arm)
+        if row["gates"].get("alpha"):
+            ax_alpha.plot(range(len(row["gates"]["alpha"])), row["gates"]["alpha"], "o-", color=f"C{colour}",
+                          label=arm)
+    budget = results["budget"]
+    ax_curve.set_title(f"{budget['tokens']:,} tokens per run, {len(results['seeds'])} seeds", fontsize=9)
+    ax_curve.set_xlabel("step")
+    ax_curve.set_ylabel("held-out loss (nats / byte)")
+    ax_curve.legend(fontsize=7)
+    ax_sweep.set_xscale("log")
+    ax_sweep.set_xlabel(f"learning rate (seed {results['seeds'][0]})")
+    ax_sweep.set_ylabel("held-out loss after")
+    ax_sweep.legend(fontsize=7)
+    ax_residual.set_xlabel("depth (0: embeddings)")
+    ax_residual.set_ylabel("relative residual ||X - 1x^T|| / ||X||")
+    ax_residual.legend(fontsize=7)
+    ax_alpha.set_xlabel("layer")
+    ax_alpha.set_ylabel("learned alpha (mean over heads and seeds)")
+    ax_alpha.legend(fontsize=7)
+    return save_figure(fig, path)

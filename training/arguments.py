@@ -55,12 +55,20 @@ class FiberBundleTrainingArguments(TrainingArguments):
         "help": "pin the batches' memory (default: only when CUDA is available)"})
 
     # this project's fields
-    mode: str = field(default="metric-only", metadata={
-        "help": "what trains: everything, only the metric (backbone frozen), or LoRA plus the metric",
-        "choices": TRAINING_MODES})
+    mode: str | None = field(default=None, metadata={
+        "help": "what trains: everything, only the metric (backbone frozen), or LoRA plus the metric (default: "
+                "metric-only; full with --from-config)", "choices": TRAINING_MODES})
+    from_config: str | None = field(default=None, metadata={
+        "help": "train a freshly initialised model instead of MODEL: a JSON file of FiberBundleConfig fields or a size "
+                "preset (tiny, small, base); gates start at its metric_gate_init / flatness_gate_init / "
+                "ffn_gate_init, metric_rank 0 and ffn_metric_rank 0 give the Euclidean twin; --mode full"})
+    tokenizer: str | None = field(default=None, metadata={
+        "help": "--from-config: the tokenizer, 'byte' (default: 256 byte tokens + <|endoftext|> + <|pad|>) or a "
+                "tokenizer folder / Hub id"})
     data: list[str] | None = field(default=None, metadata={
-        "help": "training text: .txt / .json(l) / .parquet files or a Hub dataset name (default: Python's pydoc "
-                "topics, split by topic into train and eval)"})
+        "help": "training text: .txt / .json(l) / .parquet files, a Hub dataset name, or a named corpus with its own "
+                "held-out split: 'pydoc' (the default: Python's pydoc topics, split by topic) or 'python-stdlib' (the "
+                "standard library's source, about 13 MB, split by module)"})
     eval_data: list[str] | None = field(default=None, metadata={
         "help": "held-out data in the same forms as --data"})
     block_size: int = field(default=256, metadata={"help": "tokens per packed training block"})
@@ -106,6 +114,8 @@ class FiberBundleTrainingArguments(TrainingArguments):
         "help": "print each log entry (loss, learning rate, geometry) under the progress bar; false: the bar only"})
 
     def __post_init__(self):
+        if self.mode is None:  # a fresh model has no pretrained backbone to keep: everything trains
+            self.mode = "full" if self.from_config is not None else "metric-only"
         derived = self.output_dir is None
         if self.batch_size is not None:
             self.per_device_train_batch_size = self.per_device_eval_batch_size = self.batch_size
@@ -135,6 +145,14 @@ class FiberBundleTrainingArguments(TrainingArguments):
                 TrainingArguments.__dataclass_fields__["optim"].default):
             raise TrainingError("optim (transformers' optimiser) applies with optimizer adamw and no "
                                 "metric_learning_rate, where the Trainer builds the optimiser; drop --optim.")
+        if self.from_config is not None and self.mode != "full":
+            raise TrainingError(f"--from-config trains a freshly initialised model, which has no pretrained backbone "
+                                f"to freeze or adapt: drop --mode {self.mode} (from-config training is --mode full).")
+        if self.from_config is not None and (self.load_in_4bit or self.load_in_8bit):
+            raise TrainingError("--from-config trains every weight of a fresh model in full precision: drop "
+                                "--load-in-4bit / --load-in-8bit (they quantise a pretrained backbone for QLoRA).")
+        if self.tokenizer is not None and self.from_config is None:
+            raise TrainingError("--tokenizer applies with --from-config; a model folder brings its own tokenizer.")
         if self.load_in_4bit and self.load_in_8bit:
             raise TrainingError("load_in_4bit and load_in_8bit are two ways to quantise the backbone: pass one of "
                                 "--load-in-4bit and --load-in-8bit, not both.")

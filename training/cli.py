@@ -12,16 +12,21 @@ import argparse
 from fiber_bundle.conversion.cli import report_failure
 
 
-def train_parser():
+def train_parser(*, from_config: bool = False):
+    """The parser of ``fiber-bundle train``: MODEL OUTPUT, or only OUTPUT when ``from_config`` (--from-config given)."""
     from transformers import HfArgumentParser
 
     from .arguments import FiberBundleTrainingArguments
 
     parser = HfArgumentParser(FiberBundleTrainingArguments, prog="fiber-bundle train",
-                              description="Train MODEL (a Fiber Bundle folder) and save the result to OUTPUT. Every "
+                              description="Train MODEL (a Fiber Bundle folder), or a fresh model built from "
+                                          "--from-config CONFIG (a JSON file of FiberBundleConfig fields or a size "
+                                          "preset; then only OUTPUT is given), and save the result to OUTPUT. Every "
                                           "transformers TrainingArguments field is a flag; output_dir is "
                                           "OUTPUT/checkpoints.")
-    parser.add_argument("model", help="a Fiber Bundle folder, e.g. the output of fiber-bundle convert")
+    if not from_config:
+        parser.add_argument("model", help="a Fiber Bundle folder, e.g. the output of fiber-bundle convert (omit it "
+                                          "with --from-config)")
     parser.add_argument("output", help="folder for the trained model (or LoRA adapter), tokenizer and checkpoints")
     parser.add_argument("--traceback", action="store_true",
                         help="print the full Python traceback of an error (for bug reports)")
@@ -29,13 +34,19 @@ def train_parser():
 
 
 def parse_train(argv: list[str]):
-    """``argv`` (after ``train``) as ``(FiberBundleTrainingArguments, namespace of MODEL, OUTPUT and --traceback)``;
-    an unknown flag or a malformed value exits with argparse's usage error, as any command line does."""
-    parser = train_parser()
+    """``argv`` (after ``train``) as ``(FiberBundleTrainingArguments, namespace of MODEL (None with --from-config),
+    OUTPUT and --traceback)``; an unknown flag or a malformed value exits with argparse's usage error, as any command
+    line does."""
+    from_config = any(arg.split("=")[0] in ("--from-config", "--from_config") for arg in argv)
+    parser = train_parser(from_config=from_config)
     args, command, unknown = parser.parse_args_into_dataclasses(argv, return_remaining_strings=True,
                                                                 look_for_args_file=False)
     if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}" + (
+            " (with --from-config only OUTPUT is given: a fresh model is built, not loaded from MODEL)"
+            if from_config else ""))
+    if from_config:
+        command.model = None
     return args, command
 
 

@@ -1,11 +1,12 @@
 """Training data through ``datasets``: local text / JSON lines / parquet files or a Hub dataset, plain text packed into
-fixed-length blocks, chat ``messages`` formatted with the tokenizer's chat template, and the corpus every Python
-ships (the standard library's ``pydoc_data.topics``) split by topic. Bad data stops with a ``TrainingError`` naming
+fixed-length blocks, chat ``messages`` formatted with the tokenizer's chat template, and two corpora every Python
+ships (``CORPORA``: the standard library's ``pydoc_data.topics`` split by topic, and its whole source split by module). Bad data stops with a ``TrainingError`` naming
 the file, the line (or record) and what is wrong."""
 
 import contextlib
 import json
 import random
+import sysconfig
 from pathlib import Path
 
 from datasets import Dataset, load_dataset
@@ -187,3 +188,92 @@ def pydoc_topics(*, eval_fraction: float = 0.1, seed: int = 0) -> tuple[Dataset,
     n_eval = max(1, round(eval_fraction * len(names)))
     as_dataset = lambda keys: Dataset.from_dict({"topic": keys, "text": [topics[k] for k in keys]})  # noqa: E731
     return as_dataset(sorted(names[n_eval:])), as_dataset(sorted(names[:n_eval]))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the standard library's source and documentation: a corpus of tens of MB on every machine
+# ----------------------------------------------------------------------------------------------------------------------
+SKIPPED = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "lib2to3_tests"}
+
+
+def stdlib_modules(root: str | Path | None = None, *, include_tests: bool = False) -> dict[str, list[Path]]:
+    """The standard library's .py files grouped by top-level module (``asyncio`` holds all of asyncio/*.py; the docs
+    are ``pydoc_data``, whose topics.py is the reference documentation). ``root``: the stdlib folder (default: this
+    Python's); test suites are skipped unless ``include_tests`` (they double the size)."""
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    skipped = SKIPPED - ({"test", "tests", "idle_test", "lib2to3_tests"} if include_tests else set())
+    modules: dict[str, list[Path]] = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).parts
+        if any(part in skipped for part in parts[:-1]):
+            continue
+        name = parts[0][:-3] if len(parts) == 1 else parts[0]
+        if not name.isidentifier():  # not a module (e.g. config-3.11-x86_64-linux-gnu, the build's own files)
+            continue
+        modules.setdefault(name, []).append(path)
+    if not modules:
+        raise TrainingError(f"no Python source under {root}; pass the standard library's folder.")
+    return modules
+
+
+def stdlib_corpus(*, eval_fraction: float = 0.05, seed: int = 0, root: str | Path | None = None,
+                  include_tests: bool = False):
+    """(train, eval) ``datasets.Dataset``s of the standard library's files (columns ``module``, ``path``, ``text``),
+    split by module: a seeded shuffle of the module names puts ``eval_fraction`` of the characters in eval, and no module
+    has files in both. Files are read as UTF-8 (Latin-1 where a file is not)."""
+    if not 0 < eval_fraction < 1:
+        raise TrainingError(f"eval_fraction must lie in (0, 1), got {eval_fraction}.")
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    modules = stdlib_modules(root, include_tests=include_tests)
+    texts = {name: [(str(p.relative_to(root)), _read(p)) for p in paths] for name, paths in modules.items()}
+    sizes = {name: sum(len(text) for _, text in files) for name, files in texts.items()}
+    names = sorted(modules)
+    random.Random(seed).shuffle(names)
+    target, held, held_size = eval_fraction * sum(sizes.values()), [], 0
+    for name in names:  # modules in shuffled order until eval holds its share (a huge module is skipped, not split)
+        if held_size >= target:
+            break
+        if held_size + sizes[name] <= 1.5 * target:
+            held.append(name)
+            held_size += sizes[name]
+
+    def as_dataset(keys):
+        rows = [(name, path, text) for name in sorted(keys) for path, text in texts[name] if text.strip()]
+        return Dataset.from_dict({"module": [r[0] for r in rows], "path": [r[1] for r in rows],
+                                  "text": [r[2] for r in rows]})
+
+    return as_dataset(set(names) - set(held)), as_dataset(held)
+
+
+def _read(path: Path) -> str:
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return data.decode("latin-1")
+
+
+# named corpora: --data NAME (when no file of that name exists) gives train and held-out eval splits
+CORPORA = {
+    "pydoc": "the standard library's pydoc topics (about 465k characters of English reference documentation), split "
+             "by topic",
+    "python-stdlib": "the standard library's source (about 13 MB of Python and its docstrings, pydoc_data's reference "
+                     "documentation included; test suites left out), split by module",
+}
+
+
+def named_corpus(name: str, *, seed: int = 0):
+    """(train, eval) datasets of the corpus ``name`` (a key of ``CORPORA``), split with ``seed``."""
+    if name == "pydoc":
+        return pydoc_topics(seed=seed)
+    if name == "python-stdlib":
+        return stdlib_corpus(seed=seed)
+    raise TrainingError(f"unknown corpus {name!r}; the named corpora are {', '.join(CORPORA)}.")
+
+
+def is_named_corpus(source) -> str | None:
+    """The corpus name when ``source`` (``--data``'s value) is one name of ``CORPORA`` and no file of that name exists."""
+    values = source if isinstance(source, (list, tuple)) else [source]
+    if len(values) == 1 and str(values[0]) in CORPORA and not Path(str(values[0])).exists():
+        return str(values[0])
+    return None

@@ -142,19 +142,22 @@ def evaluation_loss(model, dataset, batch_size: int = 8) -> float:
     return loss
 
 
-def run_training(model_path: str | Path, output: str | Path, args: FiberBundleTrainingArguments | None = None,
+def run_training(model_path: str | Path | None, output: str | Path, args: FiberBundleTrainingArguments | None = None,
                  **fields) -> dict:
     """Load a Fiber Bundle folder and its tokenizer, build packed datasets, train, and save the result to ``output``.
 
     Arguments:
-        model_path: a Fiber Bundle folder (for example the output of ``fiber-bundle convert``).
+        model_path: a Fiber Bundle folder (for example the output of ``fiber-bundle convert``); None with
+            ``args.from_config``, which builds a freshly initialised model (``scratch.fresh_model``) with the tokenizer
+            ``args.tokenizer`` (default: byte-level) and trains it in "full" mode.
         output: where the trained model (or, in "lora" mode, the adapter) and the tokenizer are saved; the Trainer's
             checkpoints go to ``output/checkpoints`` (``args.output_dir``, which must be unset or that folder). The
             model is written into a staging folder beside ``output`` and renamed into place when complete
             (``checkpoints.write_output``).
         args: the options, ``arguments.FiberBundleTrainingArguments`` (``fiber-bundle train`` parses its command line
             into one), or None to build it from the keyword ``fields`` (``mode``, ``data``, ``max_steps``, ...).
-            Without ``data`` the standard library's pydoc topics are used, split by topic into train and eval;
+            Without ``data`` the standard library's pydoc topics are used, split by topic into train and eval (a
+            named corpus, ``data.CORPORA``, brings its own split);
             ``resume`` (or ``resume_from_checkpoint``) continues from the newest complete checkpoint in
             ``output/checkpoints`` (from the beginning when there is none yet); ``overwrite`` replaces an ``output``
             that already holds a model or other files (only once the new model is complete), and without resuming
@@ -169,7 +172,7 @@ def run_training(model_path: str | Path, output: str | Path, args: FiberBundleTr
     from modeling_fiber_bundle import FiberBundleConfig, FiberBundleForCausalLM
 
     from .checkpoints import prepare_output, start_again, write_output
-    from .data import load_source, pydoc_topics, training_blocks
+    from .data import is_named_corpus, load_source, named_corpus, training_blocks
     from .modes import mode_problem
 
     output = Path(output)
@@ -179,20 +182,33 @@ def run_training(model_path: str | Path, output: str | Path, args: FiberBundleTr
         raise TrainingError(f"output_dir is set to {args.output_dir}, but the checkpoints of a run always go to "
                             f"OUTPUT/checkpoints ({checkpoints}): drop --output_dir (output_dir).")
     args.output_dir = checkpoints
+    if (model_path is None) == (args.from_config is None):
+        raise TrainingError("give either MODEL (a Fiber Bundle folder to train) or --from-config CONFIG (a fresh "
+                            "model), not " + ("both." if model_path is not None else "neither."))
     earlier_checkpoints = prepare_output(output, overwrite=args.overwrite, resume=bool(args.checkpoint_to_resume))
-    try:
-        config = FiberBundleConfig.from_pretrained(model_path)
-        tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=True)
-    except Exception as error:
-        raise TrainingError(f"could not read MODEL {model_path} ({describe(error)}); pass a Fiber Bundle folder, e.g. "
-                            "the output of fiber-bundle convert.") from error
+    if args.from_config is not None:
+        from .scratch import fresh_model, load_tokenizer, scratch_config
+
+        tokenizer = load_tokenizer(args.tokenizer)
+        config = scratch_config(args.from_config, tokenizer)
+    else:
+        try:
+            config = FiberBundleConfig.from_pretrained(model_path)
+            tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=True)
+        except Exception as error:
+            raise TrainingError(f"could not read MODEL {model_path} ({describe(error)}); pass a Fiber Bundle folder, "
+                                "e.g. the output of fiber-bundle convert.") from error
     quantization = args.quantization_config()  # None, or bitsandbytes 4-bit / 8-bit (QLoRA)
     problem = mode_problem(args.mode, config, quantization)
     if problem:
         raise TrainingError(f"{problem}.")
-    if args.data is None:
-        train_text, eval_text = pydoc_topics(seed=args.seed)
-        train_name, eval_name = "the training data (Python's pydoc topics)", "the eval data (held-out pydoc topics)"
+    corpus = "pydoc" if args.data is None else is_named_corpus(args.data)
+    if corpus is not None:
+        if args.eval_data is not None:
+            raise TrainingError(f"--data {corpus} is a named corpus with its own held-out split: drop --eval-data, "
+                                "or give the training data as files.")
+        train_text, eval_text = named_corpus(corpus, seed=args.seed)
+        train_name, eval_name = f"the training split of {corpus}", f"the held-out split of {corpus}"
     else:
         train_text = load_source(args.data)
         eval_text = load_source(args.eval_data) if args.eval_data is not None else None
@@ -200,7 +216,10 @@ def run_training(model_path: str | Path, output: str | Path, args: FiberBundleTr
     train_set = training_blocks(train_text, tokenizer, args.block_size, name=train_name)
     eval_set = training_blocks(eval_text, tokenizer, args.block_size, name=eval_name) if eval_text is not None else None
 
-    model = FiberBundleForCausalLM.from_pretrained(model_path, quantization_config=quantization)
+    if args.from_config is not None:
+        model = fresh_model(config, args.seed)
+    else:
+        model = FiberBundleForCausalLM.from_pretrained(model_path, quantization_config=quantization)
     if earlier_checkpoints:  # every check has passed: only now are they removed
         start_again(output)
     trainer = build_trainer(model, train_set, args, eval_dataset=eval_set)
@@ -216,13 +235,15 @@ def run_training(model_path: str | Path, output: str | Path, args: FiberBundleTr
               "eval_loss_after": after, "block_size": args.block_size, "learning_rate": args.learning_rate,
               "batch_size": args.per_device_train_batch_size, "seed": args.seed, "optimizer": args.optimizer,
               **({"quantization": quantised} if (quantised := _quantisation_of(model)) else {}),
-              **(riemannian if args.optimizer != "adamw" else {})}
+              **(riemannian if args.optimizer != "adamw" else {}),
+              **({"from_config": str(args.from_config), "tokenizer": args.tokenizer or "byte",
+                  "data": corpus or _named(args.data)} if args.from_config is not None else {})}
 
     def write(folder: Path):
         trainer.model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
         for name in ("README.md", "conversion_report.json"):  # the card and parity report travel with the model
-            if (Path(model_path) / name).is_file() and not (folder / name).exists():
+            if model_path is not None and (Path(model_path) / name).is_file() and not (folder / name).exists():
                 shutil.copyfile(Path(model_path) / name, folder / name)
         (folder / "training_metrics.json").write_text(json.dumps(result, indent=2) + "\n")
 

@@ -1,0 +1,297 @@
+"""Does the geometry pay when it is learned from the start? Small models trained from scratch on the standard library's
+source (byte-level, split by module), three ways, at equal parameters and equal tokens:
+
+1. ``euclidean``: metric off (``metric_rank = ffn_metric_rank = 0``), the MLP widened by the metric's parameter count;
+2. ``gates-0``: the Riemannian model at the graft-style start (alpha = gamma = beta = 0, generators random);
+3. ``strong-*``: the Riemannian model with a strong attention metric from the first step (alpha = ``STRONG`` values,
+   gamma = 1: the exact squared geodesic distance; beta = 0 as in arm 2, so the attention metric's start is the only
+   difference).
+
+Each arm's learning rate is swept on the first seed and its best rate re-run on every seed; every run of a seed sees the
+same blocks in the same order (the Trainer's sampler is seeded by the run's seed, the split is fixed). Each run records
+its held-out loss curve, time per step, and at the end, on held-out text: the rank-collapse residual per layer, the
+numerical rank of the attention score matrices (float64), the learned gates and the connection proxies. Results are
+written after every run; a rerun with the same settings continues where a stopped one ended.
+"""
+
+import math
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from .measures import summarise
+from .output import write_json
+
+STRONG = (1.0, 10.0)  # alpha at the strong starts (gamma = 1)
+DEFAULT_MODEL = dict(num_hidden_layers=4, hidden_size=192, intermediate_size=512, num_attention_heads=6,
+                     num_key_value_heads=2, metric_rank=2, ffn_metric_rank=2, metric_hidden=32,
+                     max_position_embeddings=1024, tie_word_embeddings=True)
+DEFAULT_RATES = (1e-3, 3e-3, 1e-2)
+
+
+def arm_overrides(strong=STRONG) -> dict[str, dict]:
+    """Arm name -> config fields that differ from the Riemannian model (the Euclidean arm's MLP width is added later,
+    by ``equal_parameter_twin``)."""
+    arms = {"euclidean": {"metric_rank": 0, "ffn_metric_rank": 0}, "gates-0": {}}
+    for alpha in strong:
+        arms[f"strong-{alpha:g}"] = {"metric_gate_init": alpha, "flatness_gate_init": 1.0}
+    return arms
+
+
+def parameter_count(config) -> int:
+    """Parameters of a ``FiberBundleForCausalLM`` of ``config``, counted on the meta device (nothing allocated)."""
+    from modeling_fiber_bundle import FiberBundleForCausalLM
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in FiberBundleForCausalLM(config).parameters())
+
+
+def equal_parameter_twin(config):
+    """The Euclidean twin of ``config`` (metric off) with ``intermediate_size`` raised so that its parameter count is
+    the closest to the Riemannian model's: the metric's parameters become MLP width."""
+    target = parameter_count(config)
+    twin = config.to_dict()
+    twin.update(metric_rank=0, ffn_metric_rank=0)
+    base = type(config)(**_fields(twin))
+    per_unit = parameter_count(type(config)(**_fields({**twin, "intermediate_size": twin["intermediate_size"] + 1})))
+    per_unit -= parameter_count(base)  # gate, up and down projections: 3 x hidden (+ biases)
+    twin["intermediate_size"] += round((target - parameter_count(base)) / per_unit)
+    return type(config)(**_fields(twin))
+
+
+def _fields(config_dict: dict) -> dict:
+    return {k: v for k, v in config_dict.items() if k not in ("model_type", "transformers_version", "architectures")}
+
+
+def arm_configs(model_fields: dict, tokenizer, strong=STRONG) -> dict:
+    """Arm name -> FiberBundleConfig, every arm with the Riemannian model's parameter count."""
+    from fiber_bundle.training.scratch import scratch_config
+
+    riemannian = scratch_config(dict(model_fields), tokenizer)
+    configs = {}
+    for arm, overrides in arm_overrides(strong).items():
+        if arm == "euclidean":
+            configs[arm] = equal_parameter_twin(riemannian)
+        else:
+            configs[arm] = scratch_config({**model_fields, **overrides}, tokenizer)
+    return configs
+
+
+def scratch_corpus(tokenizer, block_size: int, eval_blocks: int, root: str | Path | None = None):
+    """(train blocks, held-out blocks) of the standard library corpus (``root``: its folder, default this Python's)
+    split by module with split seed 0, so every run scores on the same held-out blocks; the held-out blocks are spread
+    evenly through the split."""
+    from fiber_bundle.training.data import pack_blocks, stdlib_corpus
+
+    train_text, eval_text = stdlib_corpus(seed=0, root=root)
+    train_set = pack_blocks(train_text, tokenizer, block_size)
+    eval_set = pack_blocks(eval_text, tokenizer, block_size)
+    if eval_blocks < len(eval_set):
+        stride = len(eval_set) // eval_blocks
+        eval_set = eval_set.select(range(0, stride * eval_blocks, stride))
+    return train_set, eval_set
+
+
+def measure_trained(model, eval_ids: torch.Tensor) -> dict:
+    """What the trained ``model`` does on held-out ``eval_ids`` (a few blocks): the rank-collapse residual of the
+    residual stream per layer, the numerical rank of every head's score matrix (float64 copy, rtol 1e-10), the gates
+    and the connection proxies."""
+    import copy
+
+    from fiber_bundle.training.geometry_logging import gate_values
+
+    from .probes import geometry_proxies, intrinsic_rank, model_collapse
+
+    model.eval()
+    collapse = model_collapse(model, eval_ids)
+    exact = copy.deepcopy(model).to(torch.float64)
+    rank = intrinsic_rank(exact, eval_ids)
+    del exact
+    gates = {}
+    for key, value in gate_values(model).items():  # geometry/layer{i}/{alpha,gamma,beta}
+        _, layer, gate = key.split("/")
+        gates.setdefault(gate, {})[int(layer.removeprefix("layer"))] = value
+    return {
+        "residual_per_layer": [row["mean"] for row in collapse["per_depth"]],
+        "residual_per_layer_without_first_token": [row["mean"] for row in collapse["per_depth_without_first_token"]],
+        "score_numerical_rank_per_layer": [sum(layer["score_numerical_rank"]) / len(layer["score_numerical_rank"])
+                                           for layer in rank["layers"]],
+        "heads_above_gram_bound": rank["summary"]["heads_above_gram_bound"], "heads": rank["summary"]["heads"],
+        "head_dim": rank["head_dim"], "score_tokens": rank["tokens"],
+        "gates": {gate: [values[i] for i in sorted(values)] for gate, values in gates.items()},
+        "proxies": geometry_proxies(model, eval_ids),
+    }
+
+
+def run_scratch_comparison(
+    output_dir: str | Path,
+    *,
+    seeds=(0, 1, 2),
+    learning_rates=DEFAULT_RATES,
+    strong=STRONG,
+    arms=None,
+    model_fields: dict | None = None,
+    max_steps: int = 200,
+    batch_size: int = 16,
+    block_size: int = 128,
+    eval_blocks: int = 64,
+    eval_every: int = 25,
+    warmup_steps: int = 10,
+    probe_blocks: int = 4,
+    max_extensions: int = 1,
+    corpus_root: str | Path | None = None,
+    progress: bool = True,
+) -> dict:
+    """Sweep each arm's learning rate on ``seeds[0]`` (``learning_rates``, extended by up to ``max_extensions`` grid
+    steps while the best rate lies at an edge), re-run the best on every seed; write ``scratch.json`` after every
+    run and ``scratch.png`` at the end. Returns the results (``summary``: per arm, the best rate's final held-out loss
+    mean ± std, its difference to the Euclidean arm paired by seed, time per step, residual per layer, ...)."""
+    from tqdm.auto import tqdm
+
+    from fiber_bundle.training.scratch import byte_tokenizer, fresh_model
+    from fiber_bundle.training.trainer import train_model
+
+    from .plots import plot_scratch
+
+    model_fields = {**DEFAULT_MODEL, **(model_fields or {})}
+    tokenizer = byte_tokenizer()
+    configs = arm_configs(model_fields, tokenizer, strong)
+    arms = list(configs) if arms is None else list(arms)
+    unknown = [arm for arm in arms if arm not in configs]
+    if unknown or not arms:
+        raise ValueError(f"unknown arm(s) {unknown}; choose from {list(configs)}.")
+    if not seeds or not learning_rates:
+        raise ValueError("give at least one seed and one learning rate.")
+    output_dir = Path(output_dir)
+    train_set, eval_set = scratch_corpus(tokenizer, block_size, eval_blocks, corpus_root)
+    probe_ids = torch.tensor(eval_set[:probe_blocks]["input_ids"])
+    settings = {
+        "model": model_fields, "arms": {arm: {"parameters": parameter_count(configs[arm]),
+                                              "intermediate_size": configs[arm].intermediate_size,
+                                              **arm_overrides(strong)[arm]} for arm in arms},
+        "seeds": list(seeds), "learning_rates": sorted(float(lr) for lr in learning_rates),
+        "budget": {"steps": max_steps, "batch_size": batch_size, "block_size": block_size,
+                   "tokens": max_steps * batch_size * block_size, "warmup_steps": warmup_steps},
+        "eval_blocks": len(eval_set), "eval_every": eval_every, "probe_blocks": probe_blocks,
+        "max_extensions": max_extensions, "tokenizer": "byte-level (258 tokens)",
+        "corpus": {"train_blocks": len(train_set), "eval_blocks_available": eval_blocks, "split_seed": 0,
+                   **({"root": str(corpus_root)} if corpus_root is not None else {})},
+        "threads": torch.get_num_threads(),
+    }
+    path = output_dir / "scratch.json"
+    results = {**settings, "runs": []}
+    if path.is_file():  # continue a stopped comparison with the same settings
+        import json
+
+        previous = json.loads(path.read_text())
+        if all(previous.get(key) == value for key, value in settings.items()):
+            results["runs"] = previous.get("runs", [])
+        else:
+            raise ValueError(f"{path} holds a comparison with other settings; pass another --out, or delete it to "
+                             "start again.")
+
+    def run(arm: str, lr: float, seed: int) -> dict:
+        for done in results["runs"]:
+            if (done["arm"], done["learning_rate"], done["seed"]) == (arm, lr, seed):
+                return done
+        model = fresh_model(configs[arm], seed)
+        with tempfile.TemporaryDirectory() as scratch:
+            started = time.perf_counter()
+            trainer = train_model(model, train_set, scratch, mode="full", max_steps=max_steps, batch_size=batch_size,
+                                  learning_rate=lr, warmup_steps=warmup_steps, seed=seed, eval_dataset=eval_set,
+                                  eval_strategy="steps", eval_steps=eval_every, logging_steps=eval_every,
+                                  probe_ids=probe_ids, quiet=True)
+            seconds = time.perf_counter() - started
+        history = trainer.state.log_history
+        evals = [(log["step"], log["eval_loss"]) for log in history if "eval_loss" in log]
+        eval_seconds = sum(log.get("eval_runtime", 0.0) for log in history if "eval_loss" in log)
+        if not evals or evals[-1][0] != trainer.state.global_step:  # max_steps not a multiple of eval_every
+            evals.append((trainer.state.global_step, trainer.evaluate()["eval_loss"]))
+        final = evals[-1][1]
+        finite = final is not None and math.isfinite(final)  # Trainer.evaluate gives nan for a diverged model
+        record = {"arm": arm, "learning_rate": lr, "seed": seed, "eval_loss_after": final if finite else None,
+                  "eval_curve": evals, "train_loss": [(log["step"], log["loss"]) for log in history if "loss" in log],
+                  "seconds_per_step": (seconds - eval_seconds) / max(1, trainer.state.global_step),
+                  "seconds": seconds, **(measure_trained(trainer.model, probe_ids) if finite else {})}
+        results["runs"].append(record)
+        write_json(path, results)
+        return record
+
+    def score(record):  # a diverged run ranks last
+        return record["eval_loss_after"] if record["eval_loss_after"] is not None else math.inf
+
+    rates = settings["learning_rates"]
+    bar = tqdm(total=len(arms) * (len(rates) + len(seeds) - 1), desc="scratch runs", disable=not progress)
+    best = {}
+    for seed_index, seed in enumerate(seeds):  # arms interleaved: a drift of the machine's speed touches them alike
+        for arm in arms:
+            if seed_index == 0:
+                sweep = []
+                for lr in rates:
+                    bar.set_postfix_str(f"{arm} lr {lr:g} seed {seed}")
+                    sweep.append(run(arm, lr, seed))
+                    bar.update()
+                for _ in range(max_extensions if len(rates) > 1 else 0):  # best at an edge: one grid step further
+                    tried = sorted(r["learning_rate"] for r in sweep)
+                    lowest = min(sweep, key=score)["learning_rate"]
+                    if lowest not in (tried[0], tried[-1]):
+                        break
+                    step = rates[-1] / rates[-2]
+                    lr = float(f"{lowest * step if lowest == tried[-1] else lowest / step:.3g}")
+                    bar.total += 1
+                    bar.set_postfix_str(f"{arm} lr {lr:g} seed {seed} (sweep extended)")
+                    sweep.append(run(arm, lr, seed))
+                    bar.update()
+                best[arm] = min(sweep, key=score)["learning_rate"]
+            else:
+                bar.set_postfix_str(f"{arm} lr {best[arm]:g} seed {seed}")
+                run(arm, best[arm], seed)
+                bar.update()
+    bar.close()
+    results["best_learning_rate"] = best
+    results["summary"] = summarise_scratch(results)
+    write_json(path, results)
+    plot_scratch(results, output_dir / "scratch.png")
+    return results
+
+
+def summarise_scratch(results: dict) -> dict:
+    """Per arm at its best rate: final held-out loss (mean, std over seeds), its difference to the Euclidean arm's
+    (paired by seed), time per step (and relative to Euclidean), the per-layer residual, score rank and gates (means over
+    seeds), and whether the best rate lies at the sweep's edge."""
+    tried = {arm: sorted({r["learning_rate"] for r in results["runs"] if r["arm"] == arm
+                          and r["seed"] == results["seeds"][0]}) for arm in results["best_learning_rate"]}
+    summary = {}
+    for arm, lr in results["best_learning_rate"].items():
+        mine = [r for r in results["runs"] if r["arm"] == arm and r["learning_rate"] == lr]
+        loss = summarise([r["eval_loss_after"] for r in mine])
+        finished = [r for r in mine if r["eval_loss_after"] is not None]
+        per_layer = lambda key: [summarise(column)["mean"] for column in zip(*(r[key] for r in finished))]  # noqa: E731
+        summary[arm] = {
+            "learning_rate": lr, "at_sweep_edge": len(tried[arm]) > 1 and lr in (tried[arm][0], tried[arm][-1]),
+            "seeds": len(mine),
+            "diverged": len(mine) - len(finished), "parameters": results["arms"][arm]["parameters"],
+            "eval_loss_after_mean": loss["mean"], "eval_loss_after_std": loss["std"],
+            "seconds_per_step_mean": summarise([r["seconds_per_step"] for r in mine])["mean"],
+            "sweep": {r["learning_rate"]: r["eval_loss_after"] for r in results["runs"]
+                      if r["arm"] == arm and r["seed"] == results["seeds"][0]},
+            "residual_per_layer": per_layer("residual_per_layer"),
+            "score_numerical_rank_per_layer": per_layer("score_numerical_rank_per_layer"),
+            "heads_above_gram_bound": summarise([r["heads_above_gram_bound"] for r in finished])["mean"],
+            "gates": {gate: [summarise(column)["mean"] for column in zip(*(r["gates"][gate] for r in finished))]
+                      for gate in (finished[0]["gates"] if finished else {})},
+            "proxies": {key: [summarise(column)["mean"] for column in zip(*(r["proxies"][key] for r in finished))]
+                        for key in ((finished[0].get("proxies") or {}) if finished else {})},
+        }
+    if "euclidean" in summary:
+        reference = {r["seed"]: r["eval_loss_after"] for r in results["runs"] if r["arm"] == "euclidean"
+                     and r["learning_rate"] == summary["euclidean"]["learning_rate"]}
+        for arm, row in summary.items():
+            mine = [r for r in results["runs"] if r["arm"] == arm and r["learning_rate"] == row["learning_rate"]]
+            paired = summarise([r["eval_loss_after"] - reference[r["seed"]] for r in mine
+                                if r["eval_loss_after"] is not None and reference.get(r["seed"]) is not None])
+            row["loss_vs_euclidean"], row["loss_vs_euclidean_std"] = paired["mean"], paired["std"]
+            row["time_vs_euclidean"] = row["seconds_per_step_mean"] / summary["euclidean"]["seconds_per_step_mean"]
+    return summary

@@ -1,0 +1,285 @@
+"""Training from scratch: ``fiber-bundle train --from-config`` (a fresh model, a byte-level tokenizer, full training,
+a Hub folder that loads with trust_remote_code), the standard-library corpus split by module, and the resumable
+from-scratch comparison (``fiber-bundle analyze scratch``) on a tiny model and a tiny stand-in standard library."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from helpers import run_without_project
+from fiber_bundle.cli import main
+from fiber_bundle.training.data import is_named_corpus, named_corpus, stdlib_corpus, stdlib_modules
+from fiber_bundle.training.errors import TrainingError
+from fiber_bundle.training.scratch import PRESETS, byte_tokenizer, fresh_model, scratch_config
+
+TINY_SCRATCH = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, metric_hidden=8, max_position_embeddings=256, tie_word_embeddings=True)
+
+
+def write_config(path, **overrides):
+    path.write_text(json.dumps({**TINY_SCRATCH, **overrides}))
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the tokenizer and the configuration
+# ----------------------------------------------------------------------------------------------------------------------
+def test_byte_tokenizer_is_one_token_per_byte_and_round_trips(tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = byte_tokenizer()
+    text = "def f(x):\n\treturn x  # héllo ∑ \x00\x7f"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert ids == list(text.encode("utf-8"))
+    assert tokenizer.decode(ids) == text
+    assert len(tokenizer) == 258 and tokenizer.eos_token_id == tokenizer.bos_token_id == 256
+    assert tokenizer.pad_token_id == 257
+    tokenizer.save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert loaded(text, add_special_tokens=False)["input_ids"] == ids and loaded.decode(ids) == text
+
+
+def test_scratch_config_from_a_preset_a_file_and_a_saved_config(tmp_path):
+    tokenizer = byte_tokenizer()
+    small = scratch_config("small", tokenizer)
+    assert (small.hidden_size, small.num_hidden_layers) == (PRESETS["small"]["hidden_size"], 4)
+    assert small.vocab_size == 258 and small.eos_token_id == 256 and small.pad_token_id == 257
+    config = scratch_config(write_config(tmp_path / "c.json", metric_gate_init=1.0, flatness_gate_init=1.0,
+                                         ffn_gate_init=0.5), tokenizer)
+    assert (config.metric_gate_init, config.flatness_gate_init, config.ffn_gate_init) == (1.0, 1.0, 0.5)
+    config.save_pretrained(tmp_path / "saved")  # a saved config.json is a valid spec
+    again = scratch_config(tmp_path / "saved" / "config.json", tokenizer)
+    drop = lambda d: {k: v for k, v in d.items() if k != "auto_map"}  # noqa: E731  (written by save_pretrained)
+    assert drop(again.to_dict()) == drop(config.to_dict())
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(metric_gate_int=1.0), "unknown FiberBundleConfig field(s) metric_gate_int"),
+    (dict(vocab_size=100), "vocab_size 100 is smaller than the tokenizer's 258 tokens"),
+    (dict(model_type="llama"), "model_type 'llama'; a from-scratch model is a 'fiber_bundle' model"),
+    (dict(metric_gate_init=-2.0), "metric_gate_init must be a finite number > -1"),
+])
+def test_scratch_config_refuses_bad_input_with_the_fix(tmp_path, fields, message):
+    with pytest.raises(TrainingError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        scratch_config(write_config(tmp_path / "c.json", **fields), byte_tokenizer())
+
+
+def test_scratch_config_refuses_a_missing_file_and_bad_json(tmp_path):
+    with pytest.raises(TrainingError, match="no such file and not a preset"):
+        scratch_config(tmp_path / "missing.json", byte_tokenizer())
+    (tmp_path / "bad.json").write_text("{\"hidden_size\": 32,")
+    with pytest.raises(TrainingError, match="not valid JSON"):
+        scratch_config(tmp_path / "bad.json", byte_tokenizer())
+
+
+def test_fresh_model_starts_at_the_configured_gates_and_is_seeded():
+    tokenizer = byte_tokenizer()
+    config = scratch_config({**TINY_SCRATCH, "metric_gate_init": 10.0, "flatness_gate_init": 1.0,
+                             "ffn_gate_init": 0.5}, tokenizer)
+    model = fresh_model(config, seed=3)
+    fiber = model.model.layers[1].fiber
+    torch.testing.assert_close(torch.expm1(fiber.attn_gate.detach()), torch.full((4,), 10.0))
+    torch.testing.assert_close(fiber.flatness_gate.detach(), torch.ones(4))
+    torch.testing.assert_close(torch.expm1(fiber.ffn_gate.detach()), torch.tensor(0.5))
+    same, other = fresh_model(config, seed=3), fresh_model(config, seed=4)
+    for (name, a), b in zip(model.state_dict().items(), same.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert not torch.equal(model.model.embed_tokens.weight, other.model.embed_tokens.weight)
+    euclidean = fresh_model(scratch_config({**TINY_SCRATCH, "metric_rank": 0, "ffn_metric_rank": 0}, tokenizer), 0)
+    assert not any("fiber" in name for name, _ in euclidean.named_parameters())
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# fiber-bundle train --from-config
+# ----------------------------------------------------------------------------------------------------------------------
+def test_train_from_config_builds_trains_and_writes_a_folder_that_loads_with_remote_code(tmp_path, capsys):
+    config = write_config(tmp_path / "config.json", metric_gate_init=1.0, flatness_gate_init=1.0)
+    out = tmp_path / "out"
+    assert main(["train", "--from-config", str(config), str(out), "--max-steps", "4", "--batch-size", "4",
+                 "--block-size", "64", "--learning-rate", "3e-3", "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "trained 4 steps (full)" in printed
+    before, after = (float(x) for x in printed.split("eval loss: ")[1].split()[0::2])
+    assert math.isclose(before, math.log(258), rel_tol=0.05) and after < before  # starts near uniform, learns
+    metrics = json.loads((out / "training_metrics.json").read_text())
+    assert metrics["mode"] == "full" and metrics["from_config"] == str(config) and metrics["tokenizer"] == "byte"
+    assert metrics["data"] == "pydoc"
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["metric_gate_init"] == 1.0 and saved["vocab_size"] == 258 and "auto_map" in saved
+    assert (out / "modeling_fiber_bundle.py").is_file() and (out / "tokenizer.json").is_file()
+
+    from modeling_fiber_bundle import FiberBundleForCausalLM
+
+    trained = FiberBundleForCausalLM.from_pretrained(out)
+    alpha = torch.expm1(trained.model.layers[0].fiber.attn_gate.detach())
+    assert not torch.allclose(alpha, torch.ones_like(alpha)) and alpha.min() > 0.5  # trained, from 1
+    ids = torch.tensor([list(b"def main():\n    return 0\n")])
+    torch.save(ids, tmp_path / "ids.pt")
+    script = """
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)
+        tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
+        assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+        assert tokenizer("def main", add_special_tokens=False)["input_ids"] == list(b"def main")
+        with torch.no_grad():
+            torch.save(model(torch.load(sys.argv[2])).logits, sys.argv[3])
+    """
+    result = run_without_project(script, out, tmp_path / "ids.pt", tmp_path / "logits.pt", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with torch.no_grad():
+        torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), trained(ids).logits, rtol=0, atol=1e-6)
+
+
+def test_train_from_config_trains_the_euclidean_twin_and_a_preset(tmp_path, capsys):
+    config = write_config(tmp_path / "euclid.json", metric_rank=0, ffn_metric_rank=0)
+    text = (tmp_path / "train.txt", tmp_path / "eval.txt")
+    text[0].write_text("def add(a, b):\n    return a + b\n" * 40)
+    text[1].write_text("class Point:\n    x: int = 0\n" * 10)
+    data = ["--data", str(text[0]), "--eval-data", str(text[1])]
+    assert main(["train", "--from-config", str(config), str(tmp_path / "euclid"), "--max-steps", "2",
+                 "--batch-size", "2", "--block-size", "32", "--quiet", *data]) == 0
+    saved = json.loads((tmp_path / "euclid" / "config.json").read_text())
+    assert saved["metric_rank"] == 0 and saved["ffn_metric_rank"] == 0
+    assert main(["train", str(tmp_path / "preset"), "--from-config", "tiny", "--max-steps", "1", "--batch-size", "1",
+                 "--block-size", "16", "--quiet", *data]) == 0
+    metrics = json.loads((tmp_path / "preset" / "training_metrics.json").read_text())
+    assert metrics["data"] == str(text[0]) and metrics["from_config"] == "tiny"
+    assert json.loads((tmp_path / "preset" / "config.json").read_text())["hidden_size"] == PRESETS["tiny"]["hidden_size"]
+
+
+def test_train_from_config_refuses_what_does_not_apply(tmp_path, capsys):
+    config = write_config(tmp_path / "config.json")
+    out = tmp_path / "out"
+    for argv, message in [
+        (["--mode", "lora"], "drop --mode lora (from-config training is --mode full)"),
+        (["--load-in-4bit"], "drop --load-in-4bit / --load-in-8bit"),
+        (["--data", "pydoc", "--eval-data", str(config)], "--data pydoc is a named corpus with its own held-out split"),
+    ]:
+        assert main(["train", "--from-config", str(config), str(out), *argv]) == 1
+        assert message in capsys.readouterr().err
+    assert main(["train", str(tmp_path / "model"), str(out), "--tokenizer", "byte"]) == 1
+    assert "--tokenizer applies with --from-config" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit:  # MODEL and --from-config: one too many paths
+        main(["train", str(tmp_path / "model"), "--from-config", str(config), str(out)])
+    assert exit.value.code == 2 and "with --from-config only OUTPUT is given" in capsys.readouterr().err
+    assert main(["train", "--from-config", str(tmp_path / "nope.json"), str(out)]) == 1
+    assert "no such file and not a preset" in capsys.readouterr().err
+    assert not out.exists()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the corpus
+# ----------------------------------------------------------------------------------------------------------------------
+def fake_stdlib(root, modules: int = 12):
+    """A stand-in standard library: single-file modules, two packages (one with a tests folder) and site-packages."""
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(modules):
+        (root / f"mod{i:02d}.py").write_text(f'"""Module {i}."""\n' + f"VALUE_{i} = {i}\n" * (20 + 7 * i))
+    for package in ("pkga", "pkgb"):
+        (root / package / "sub").mkdir(parents=True)
+        (root / package / "__init__.py").write_text(f"# {package}\n" * 40)
+        (root / package / "sub" / "inner.py").write_text(f"def {package}():\n    return 1\n" * 30)
+    (root / "pkga" / "tests").mkdir()
+    (root / "pkga" / "tests" / "test_x.py").write_text("assert True\n")
+    (root / "site-packages" / "third").mkdir(parents=True)
+    (root / "site-packages" / "third" / "x.py").write_text("import os\n")
+    (root / "config-3.11-x86_64-linux-gnu").mkdir()
+    (root / "config-3.11-x86_64-linux-gnu" / "python-config.py").write_text("print(1)\n")
+    return root
+
+
+def test_stdlib_corpus_splits_by_module_with_no_module_in_both(tmp_path):
+    root = fake_stdlib(tmp_path)
+    modules = stdlib_modules(root)
+    assert set(modules) == {f"mod{i:02d}" for i in range(12)} | {"pkga", "pkgb"}
+    assert [p.name for p in modules["pkga"]] == ["__init__.py", "inner.py"]  # tests and site-packages left out
+    train, held = stdlib_corpus(root=root, eval_fraction=0.2, seed=1)
+    assert set(train["module"]).isdisjoint(held["module"]) and set(train["module"]) | set(held["module"]) == set(modules)
+    share = sum(map(len, held["text"])) / (sum(map(len, held["text"])) + sum(map(len, train["text"])))
+    assert 0.1 < share < 0.35
+    again = stdlib_corpus(root=root, eval_fraction=0.2, seed=1)
+    assert list(again[1]["path"]) == list(held["path"]) and list(again[0]["text"]) == list(train["text"])
+    assert list(stdlib_corpus(root=root, eval_fraction=0.2, seed=2)[1]["module"]) != list(held["module"])
+    assert "pkga/sub/inner.py" in list(train["path"]) + list(held["path"])
+    with pytest.raises(TrainingError, match="no Python source under"):
+        stdlib_modules(tmp_path / "pkga" / "tests" / "none")
+
+
+def test_the_real_stdlib_corpus_is_tens_of_megabytes_split_by_module():
+    train, held = named_corpus("python-stdlib")
+    train_size, held_size = sum(map(len, train["text"])), sum(map(len, held["text"]))
+    assert train_size + held_size > 5_000_000 and 0.02 < held_size / (train_size + held_size) < 0.1
+    assert set(train["module"]).isdisjoint(held["module"])
+    assert "pydoc_data" in set(train["module"]) | set(held["module"])  # the reference documentation is in
+    assert is_named_corpus(["python-stdlib"]) == "python-stdlib" and is_named_corpus(["a.txt"]) is None
+    with pytest.raises(TrainingError, match="the named corpora are pydoc, python-stdlib"):
+        named_corpus("wikipedia")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the comparison
+# ----------------------------------------------------------------------------------------------------------------------
+def test_equal_parameter_twin_spends_the_metric_on_mlp_width():
+    from fiber_bundle.analysis.scratch import equal_parameter_twin, parameter_count
+
+    config = scratch_config("small", byte_tokenizer())
+    twin = equal_parameter_twin(config)
+    assert twin.metric_rank == 0 and twin.ffn_metric_rank == 0
+    per_unit = 3 * config.hidden_size * config.num_hidden_layers
+    assert twin.intermediate_size > config.intermediate_size
+    assert abs(parameter_count(twin) - parameter_count(config)) <= per_unit / 2
+
+
+def test_scratch_comparison_runs_resumes_and_refuses_other_settings(tmp_path, monkeypatch):
+    from fiber_bundle.analysis import scratch
+
+    root = fake_stdlib(tmp_path / "lib", modules=30)
+    settings = dict(seeds=(0, 1), learning_rates=(1e-3, 1e-2), arms=("euclidean", "strong-10"), strong=(10.0,),
+                    model_fields=dict(TINY_SCRATCH), max_steps=3, batch_size=2, block_size=32, eval_blocks=4,
+                    eval_every=2, warmup_steps=0, probe_blocks=2, corpus_root=root, progress=False)
+    results = scratch.run_scratch_comparison(tmp_path / "out", **settings)
+    runs = results["runs"]
+    assert {(r["arm"], r["seed"]) for r in runs} >= {("euclidean", 0), ("euclidean", 1), ("strong-10", 1)}
+    assert sum(r["seed"] == 0 and r["arm"] == "euclidean" for r in runs) >= 2  # the sweep
+    first = runs[0]
+    assert [step for step, _ in first["eval_curve"]] == [2, 3]  # every 2 steps and at the end
+    assert first["eval_loss_after"] == first["eval_curve"][-1][1]
+    assert len(first["residual_per_layer"]) == 3 and first["heads"] == 8
+    euclid = [r for r in runs if r["arm"] == "euclidean"]
+    strong = [r for r in runs if r["arm"] == "strong-10"]
+    assert all(r["score_numerical_rank_per_layer"] == [8.0, 8.0] for r in euclid)  # dot product: rank <= head_dim 8
+    assert all(r["heads_above_gram_bound"] == 8 for r in strong)  # the metric breaks the Gram bound in every head
+    # started at 10; Adam moves theta = log(1 + alpha) by about lr per step
+    assert all(abs(a - 10.0) < 1.5 for r in strong for a in r["gates"]["alpha"]) and not euclid[0]["gates"]
+    summary = results["summary"]
+    assert summary["euclidean"]["loss_vs_euclidean"] == 0.0
+    assert summary["strong-10"]["parameters"] - summary["euclidean"]["parameters"] < 3 * 32 * 2
+    paired = [s["eval_loss_after"] - e["eval_loss_after"] for s in strong for e in euclid
+              if s["seed"] == e["seed"] and s["learning_rate"] == summary["strong-10"]["learning_rate"]
+              and e["learning_rate"] == summary["euclidean"]["learning_rate"]]
+    assert summary["strong-10"]["loss_vs_euclidean"] == pytest.approx(sum(paired) / len(paired))
+    assert (tmp_path / "out" / "scratch.png").stat().st_size > 10_000
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a finished run was trained again")
+
+    monkeypatch.setattr("fiber_bundle.training.trainer.train_model", no_training)
+    again = scratch.run_scratch_comparison(tmp_path / "out", **settings)  # everything is on disk: nothing reruns
+    assert json.loads(json.dumps(again["summary"])) == json.loads(json.dumps(summary))
+    partial = json.loads((tmp_path / "out" / "scratch.json").read_text())
+    partial["runs"] = partial["runs"][:-1]  # as if stopped before the last run: only that one runs
+    (tmp_path / "out" / "scratch.json").write_text(json.dumps(partial))
+    monkeypatch.undo()
+    calls = []
+
+    from fiber_bundle.training import trainer
+
+    original = trainer.train_model
+    monkeypatch.setattr(trainer, "train_model", lambda *a, **k: calls.append(1) or original(*a, **k))
+    scratch.run_scratch_comparison(tmp_path / "out", **settings)
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match="holds a comparison with other settings"):
+        scratch.run_scratch_comparison(tmp_path / "out", **{**settings, "max_steps": 4})
