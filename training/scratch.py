@@ -3,7 +3,7 @@ size preset) and a byte-level tokenizer. Its corpus, the standard library's own 
 module, is ``data.stdlib_corpus``.
 
 Why byte-level by default: a small model's parameters should be its layers. SmolLM2's 49,152-token vocabulary at width
-192 is 9.4 M embedding parameters against 1.8 M in four layers; 256 byte tokens (+ 2 special) cost 50 k. Any
+192 is 9.4 M embedding parameters against 1.7 M in four layers; 256 byte tokens (+ 2 special) cost 50 k. Any
 tokenizer can be given instead (``--tokenizer FOLDER_OR_HUB_ID``).
 
 The gates' initial values are free choices here (a conversion must start them at 0, the graft value, to reproduce its
