@@ -4,8 +4,10 @@ Importing this package registers the model with transformers' Auto classes (``Au
 ``AutoModelForCausalLM`` and the task heads ``AutoModelForSequenceClassification``, ``AutoModelForTokenClassification``,
 ``AutoModelForQuestionAnswering``). ``save_pretrained`` writes a folder holding the configuration and modeling files
 and an ``auto_map`` for all of them, so the folder loads with ``trust_remote_code=True`` where this package is not
-installed.
+installed. It also drops one notice bitsandbytes logs when it is imported (below).
 """
+
+import logging
 
 from transformers import (
     AutoConfig,
@@ -35,5 +37,14 @@ AutoModelForCausalLM.register(FiberBundleConfig, FiberBundleForCausalLM, exist_o
 AutoModelForSequenceClassification.register(FiberBundleConfig, FiberBundleForSequenceClassification, exist_ok=True)
 AutoModelForTokenClassification.register(FiberBundleConfig, FiberBundleForTokenClassification, exist_ok=True)
 AutoModelForQuestionAnswering.register(FiberBundleConfig, FiberBundleForQuestionAnswering, exist_ok=True)
+
+# Every command of this project imports this package before anything imports bitsandbytes (peft and transformers'
+# Trainer do). On a CPU with AVX-512 BF16, bitsandbytes 0.50 logs at import that an optional kernel ("kernels-community",
+# which needs the `kernels` package) did not load: a user reads it as a failure of a run that quantises nothing. The
+# kernel serves only 4-bit weights repacked for inference, which these models never hold (FiberBundlePreTrainedModel
+# keeps the repack off), and bitsandbytes falls back to its own. Only that notice is dropped; anything else passes.
+BITSANDBYTES_KERNEL_NOTICE = "Failed to load CPU gemm_4bit_forward from kernels-community"
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
+    lambda record: not record.getMessage().startswith(BITSANDBYTES_KERNEL_NOTICE))
 
 __all__ = ["FiberBundleConfig", *modeling_fiber_bundle.__all__]

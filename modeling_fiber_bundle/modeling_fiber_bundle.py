@@ -529,6 +529,46 @@ class FiberBundleCausalLMOutputWithPast(CausalLMOutputWithPast):
     geometry: dict[str, torch.Tensor] | None = None
 
 
+# bitsandbytes 0.50 (a Linear4bit with `support_avx512bf16_for_cpu`) repacks a 4-bit weight in place, on a CPU with
+# AVX-512 BF16, into a layout only its inference kernel reads, the first time the layer runs in eval mode without
+# gradient (every held-out evaluation before training is such a forward). From then on its matmul bypasses autograd
+# (no gradient crosses the layer: LoRA below it learns nothing), and its inverse does not give the weight back (the
+# block scales come back rounded to bfloat16, and unquantised ones stay in the kernel's transposed order). So the
+# repack is kept from happening, not undone: set on every mode change, which from_pretrained (its closing eval()),
+# PEFT and the Trainer (train() / eval()) all make before a forward. docs/quantization.md has the reproduction.
+BITSANDBYTES_REPACK_FIXED_IN: tuple[int, ...] | None = None  # the first bitsandbytes release without it, once known
+
+
+def bitsandbytes_repacks_in_place() -> bool:
+    """Whether the installed bitsandbytes is one that repacks 4-bit weights in place (every release with the CPU
+    repack, until ``BITSANDBYTES_REPACK_FIXED_IN``)."""
+    if BITSANDBYTES_REPACK_FIXED_IN is None:
+        return True
+    from importlib.metadata import version
+
+    release = tuple(int(part) for part in re.findall(r"\d+", version("bitsandbytes"))[:3])
+    return release < BITSANDBYTES_REPACK_FIXED_IN
+
+
+def keep_4bit_weights_trainable(model: nn.Module, training: bool = False) -> None:
+    """Switch bitsandbytes' in-place CPU repack off on every 4-bit layer of ``model`` (any model: the Fiber Bundle
+    classes call it on every train() / eval()); with ``training``, refuse a layer whose weight was already repacked.
+    Costs one walk over the modules, as train() does anyway."""
+    for name, module in model.named_modules():
+        if not hasattr(module, "support_avx512bf16_for_cpu"):  # not a bitsandbytes 4-bit layer that repacks
+            continue
+        if not bitsandbytes_repacks_in_place():
+            return
+        module.support_avx512bf16_for_cpu = False
+        if training and getattr(module.weight.quant_state, "packing_format_for_cpu", False):
+            raise RuntimeError(
+                f"{name} holds its 4-bit weight in bitsandbytes' CPU inference layout (repacked in place by an "
+                "eval-mode forward without gradient): no gradient would cross it, and bitsandbytes' inverse does not "
+                "restore it exactly. Reload the model, and leave `support_avx512bf16_for_cpu` off on a model that "
+                "trains."
+            )
+
+
 class FiberBundlePreTrainedModel(PreTrainedModel):
     config_class = FiberBundleConfig
     config: FiberBundleConfig
@@ -569,6 +609,10 @@ class FiberBundlePreTrainedModel(PreTrainedModel):
                 f"({', '.join(map(str, fits)) or 'none above 1'}), or leave tensor parallelism off."
             )
         return super().maybe_distribute_model(model, distributed_config, mesh_manager)
+
+    def train(self, mode: bool = True):
+        keep_4bit_weights_trainable(self, training=mode)  # before any forward can repack a 4-bit weight (see above)
+        return super().train(mode)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         self._name_every_auto_class()  # transformers' save_pretrained then writes the code as save_code does
