@@ -261,27 +261,19 @@ def test_custom_4d_attention_mask_with_a_shared_prefix(kind):
 # attention implementations
 # ---------------------------------------------------------------------------------------------------------------------
 # LLaMA's eager attention takes its softmax in float32 (and turns float64's mask minimum into -inf: NaN padding rows),
-# so eager and sdpa are compared in the dtypes upstream uses, with its CPU tolerances.
-EAGER_SDPA_TOLERANCE = {
-    torch.float32: dict(rtol=1e-4, atol=1e-6),
-    torch.bfloat16: dict(rtol=1e-2, atol=1e-2),
-    torch.float16: dict(rtol=5e-3, atol=5e-3),
-}
-
-
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("dtype", list(EAGER_SDPA_TOLERANCE), ids=str)
-def test_sdpa_and_eager_agree_and_dispatch_as_requested(kind, dtype, tmp_path):
-    """One checkpoint loaded with attn_implementation "sdpa" (the default) and "eager": same hidden states, for left
-    and right padding, with and without a mask, with and without attention outputs (real tokens compared)."""
-    build(kind).save_pretrained(tmp_path)
-    cls = CLASSES[kind][1]
-    default = cls.from_pretrained(tmp_path, dtype=dtype).eval()
-    sdpa = cls.from_pretrained(tmp_path, dtype=dtype, attn_implementation="sdpa").eval()
-    eager = cls.from_pretrained(tmp_path, dtype=dtype, attn_implementation="eager").eval()
+# so eager and sdpa are compared in the dtypes upstream uses. float32: upstream's CPU tolerance. Half precision:
+# upstream's GPU rule (80% of the rows within 1e-2) fails LLaMA itself on CPUs with native bf16 kernels (5 of 7 rows,
+# max 0.031 on AVX-512 BF16, and under ATEN_CPU_CAPABILITY=default), so there the control's own gap, measured in the
+# same test on the same weights and inputs, is the bound.
+def eager_and_sdpa(folder, cls, dtype):
+    """Loads ``folder`` with attn_implementation "sdpa" (the default) and "eager": {case: (eager, sdpa)}, the last hidden
+    states in float32 with padding zeroed, for left and right padding, with and without a mask and attention outputs."""
+    default = cls.from_pretrained(folder, dtype=dtype).eval()
+    sdpa = cls.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa").eval()
+    eager = cls.from_pretrained(folder, dtype=dtype, attn_implementation="eager").eval()
     assert default.config._attn_implementation == "sdpa"
     assert sdpa.config._attn_implementation == "sdpa" and eager.config._attn_implementation == "eager"
-    ids = random_ids(7, 9)
+    ids, outputs = random_ids(7, 9), {}
     for side in ("left", "right"):
         for use_mask in (False, True):
             for output_attentions in (False, True):
@@ -296,13 +288,33 @@ def test_sdpa_and_eager_agree_and_dispatch_as_requested(kind, dtype, tmp_path):
                     a = eager(ids, **kwargs).hidden_states[-1]
                     b = sdpa(ids, **kwargs).hidden_states[-1]
                 real = (mask.bool() if use_mask else torch.ones_like(mask, dtype=torch.bool))[..., None]
-                a, b = a.float() * real, b.float() * real
                 case = f"{side} padding, mask={use_mask}, attentions={output_attentions}"
-                if dtype == torch.float32:
-                    torch.testing.assert_close(a, b, **EAGER_SDPA_TOLERANCE[dtype], msg=lambda m: f"{case}: {m}")
-                else:  # upstream's rule in half precision: at least 80% of the rows match
-                    rows = [torch.allclose(x, y, **EAGER_SDPA_TOLERANCE[dtype]) for x, y in zip(a, b, strict=True)]
-                    assert sum(rows) >= 0.8 * len(rows), (case, rows, (a - b).abs().max())
+                outputs[case] = a.float() * real, b.float() * real
+    return outputs
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sdpa_and_eager_agree_and_dispatch_as_requested(kind, tmp_path):
+    """One float32 checkpoint loaded with attn_implementation "sdpa" (the default) and "eager": the same hidden states
+    within upstream's CPU tolerance."""
+    build(kind).save_pretrained(tmp_path)
+    for case, (a, b) in eager_and_sdpa(tmp_path, CLASSES[kind][1], torch.float32).items():
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=lambda m: f"{case}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_sdpa_and_eager_agree_in_half_precision_as_closely_as_llama(dtype, tmp_path):
+    """The same in bf16 / fp16: the Fiber Bundle model's eager-vs-sdpa gap is at most LLaMA's with the same backbone
+    weights, inputs and kernels (measured here, on this host's kernel path), in every case."""
+    fiber, llama = build("fiber"), build("llama")
+    fiber.load_state_dict(llama.state_dict(), strict=False)  # the backbone's weights; the fibre keeps its own
+    fiber.save_pretrained(tmp_path / "fiber")
+    llama.save_pretrained(tmp_path / "llama")
+    ours, control = ({case: (a - b).abs().max().item() for case, (a, b) in eager_and_sdpa(tmp_path / kind, cls,
+                                                                                             dtype).items()}
+                     for kind, cls in (("fiber", FiberBundleForCausalLM), ("llama", LlamaForCausalLM)))
+    control_gap = max(control.values())  # why not per case: LLaMA's largest gap says how far the two paths may drift
+    assert all(gap <= control_gap for gap in ours.values()), (ours, control)
 
 
 @pytest.mark.parametrize("kind", KINDS)
