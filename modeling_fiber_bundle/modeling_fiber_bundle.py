@@ -533,7 +533,7 @@ class FiberBundleCausalLMOutputWithPast(CausalLMOutputWithPast):
 # AVX-512 BF16, into a layout only its inference kernel reads, the first time the layer runs in eval mode without
 # gradient (every held-out evaluation before training is such a forward). From then on its matmul bypasses autograd
 # (no gradient crosses the layer: LoRA below it learns nothing), and its inverse does not give the weight back (the
-# block scales come back rounded to bfloat16, and unquantised ones stay in the kernel's transposed order). So the
+# block scales stay rounded to bfloat16, and unless double-quantised in the kernel's transposed order). So the
 # repack is kept from happening, not undone: set on every mode change, which from_pretrained (its closing eval()),
 # PEFT and the Trainer (train() / eval()) all make before a forward. docs/quantization.md has the reproduction.
 BITSANDBYTES_REPACK_FIXED_IN: tuple[int, ...] | None = None  # the first bitsandbytes release without it, once known
@@ -553,14 +553,15 @@ def bitsandbytes_repacks_in_place() -> bool:
 def keep_4bit_weights_trainable(model: nn.Module, training: bool = False) -> None:
     """Switch bitsandbytes' in-place CPU repack off on every 4-bit layer of ``model`` (any model: the Fiber Bundle
     classes call it on every train() / eval()); with ``training``, refuse a layer whose weight was already repacked.
-    Costs one walk over the modules, as train() does anyway."""
-    for name, module in model.named_modules():
-        if not hasattr(module, "support_avx512bf16_for_cpu"):  # not a bitsandbytes 4-bit layer that repacks
-            continue
+    Costs one walk over the modules, as train() makes anyway."""
+    for module in model.modules():
+        if "support_avx512bf16_for_cpu" not in module.__dict__:  # not a bitsandbytes 4-bit layer that repacks
+            continue  # (a plain attribute: a dict lookup, where hasattr would raise inside nn.Module.__getattr__)
         if not bitsandbytes_repacks_in_place():
             return
         module.support_avx512bf16_for_cpu = False
         if training and getattr(module.weight.quant_state, "packing_format_for_cpu", False):
+            name = next(name for name, candidate in model.named_modules() if candidate is module)
             raise RuntimeError(
                 f"{name} holds its 4-bit weight in bitsandbytes' CPU inference layout (repacked in place by an "
                 "eval-mode forward without gradient): no gradient would cross it, and bitsandbytes' inverse does not "
