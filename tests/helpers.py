@@ -21,6 +21,8 @@ from transformers import (  # noqa: E402
     Qwen3ForCausalLM,
 )
 
+import pytest  # noqa: E402
+
 import modeling_fiber_bundle  # noqa: E402  registers the Auto classes
 from modeling_fiber_bundle import FiberBundleConfig, FiberBundleForCausalLM  # noqa: E402
 
@@ -49,6 +51,13 @@ SOURCE_FAMILIES = {
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {}),
     "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 6}),
 }
+
+
+# torch's compiled flex_attention kernel refuses the CPU under ATEN_CPU_CAPABILITY=default (its check_cpu_supported), the
+# second kernel path CI runs (docs/testing.md): a test that runs that kernel itself is skipped there
+FLEX_KERNEL = pytest.mark.skipif(os.environ.get("ATEN_CPU_CAPABILITY") == "default",
+                                 reason="torch's compiled flex_attention does not run on CPU under ATEN_CPU_CAPABILITY="
+                                        "default")
 
 
 def tiny_config(**overrides) -> FiberBundleConfig:

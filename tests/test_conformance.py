@@ -33,7 +33,7 @@ from transformers.cache_utils import DynamicCache, StaticCache
 from transformers.generation import CompileConfig, GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
 from transformers.modeling_utils import load_state_dict
 
-from helpers import TINY, random_ids, set_gates, tiny_config, tiny_model
+from helpers import FLEX_KERNEL, TINY, random_ids, set_gates, tiny_config, tiny_model
 from modeling_fiber_bundle import FiberBundleForCausalLM, FiberBundleModel
 
 F64 = torch.float64
@@ -329,7 +329,7 @@ def test_eager_and_sdpa_generate_the_same(kind):
 
 @pytest.mark.heavy
 @pytest.mark.filterwarnings("ignore:_compile flag on create_block_mask:DeprecationWarning")  # torch, via transformers
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ["fiber", pytest.param("llama", marks=FLEX_KERNEL)])  # LLaMA runs flex's kernel
 def test_flex_attention_matches_eager(kind):
     """flex_attention (compiled; it runs on CPU) is a backend LLaMA supports."""
     model = build(kind, dtype=torch.float32, attn="eager")

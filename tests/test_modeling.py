@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModel, AutoModelForCausalLM, CompileConfig, LlamaConfig, LlamaForCausalLM
 
-from helpers import SOURCE_FAMILIES, TINY, geometry_step_change, random_ids, set_gates, tiny_config, tiny_model
+from helpers import FLEX_KERNEL, SOURCE_FAMILIES, TINY, geometry_step_change, random_ids, set_gates, tiny_config, tiny_model
 from modeling_fiber_bundle import FiberBundleConfig, FiberBundleForCausalLM, FiberBundleModel
 from modeling_fiber_bundle import modeling_fiber_bundle as modeling
 from modeling_fiber_bundle.fiber_attention import metric_gram, reference_geodesic_attention
@@ -135,7 +135,7 @@ def test_all_paths_agree():
 
 
 @pytest.mark.filterwarnings("ignore:_compile flag on create_block_mask:DeprecationWarning")  # torch, via transformers
-@pytest.mark.parametrize("name", ["blocked-sdpa-mask", "sliding-window", "rank0-sdpa"])
+@pytest.mark.parametrize("name", ["blocked-sdpa-mask", "sliding-window", pytest.param("rank0-sdpa", marks=FLEX_KERNEL)])
 def test_flex_attention_masks_are_read_like_the_others(name):
     """attn_implementation="flex_attention": geodesic layers read the BlockMask token by token (flex's kernel cannot
     compute geodesic scores), rank-0 layers run flex itself; same logits and greedy tokens as sdpa, padded."""
