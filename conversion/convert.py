@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from fiber_bundle.model_cards import card_license, write_card
+from fiber_bundle.model_cards import card_license, framework_versions, public_name, render_card
 from modeling_fiber_bundle import FiberBundleConfig, FiberBundlePreTrainedModel
 from modeling_fiber_bundle import modeling_fiber_bundle as modeling
 
@@ -235,13 +235,14 @@ def convert_checkpoint(
             report = verify_conversion(src, staging, seconds=time.perf_counter() - started)
         if rank_choice is not None:  # why r was chosen travels with the model
             report = {**(report or {}), "metric_rank_choice": rank_choice}
-        if report is not None:
-            (staging / "conversion_report.json").write_text(json.dumps(report, indent=2) + "\n")
-            if "parity" in report and not report["parity"]["passed"]:
-                raise ConversionError(f"parity check failed: {report['parity']['summary']}")
-        write_card(staging, auto_class=configured_class(config)._auto_class, config=config, source=str(source),
-                   source_architecture=src.family, report=report, base_model=base_model or _hub_id(src),
-                   license=license or card_license(src.location.folder), model_name=output.name)
+        # what the card says of the source, by Hub id or file name only: this file is published with the folder
+        report = {"source": source_record(src, source, base_model=base_model, license=license), **(report or {}),
+                  "versions": framework_versions()}
+        report.setdefault("conversion_seconds", time.perf_counter() - started)
+        (staging / "conversion_report.json").write_text(json.dumps(report, indent=2) + "\n")
+        if "parity" in report and not report["parity"]["passed"]:
+            raise ConversionError(f"parity check failed: {report['parity']['summary']}")
+        render_card(staging, name=output.name, license=report["source"]["license"])
         replace_folder(staging, output)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)  # nothing half-written is left behind, whatever happened
@@ -342,6 +343,20 @@ def _copy_tokenizer(src: Source, folder: Path):
     for name in TOKENIZER_FILES:
         if (src.location.folder / name).is_file():
             shutil.copyfile(src.location.folder / name, folder / name)
+
+
+def source_record(src: Source, source: str | Path, *, base_model: str | None = None,
+                  license: str | None = None) -> dict:
+    """conversion_report.json's "source": the checkpoint by Hub id, or by file / folder name with the Hub repo it came
+    from when known (``base_model``, or the id the source names), never by local path; its family and license."""
+    hub_id = base_model or _hub_id(src)
+    if src.location.gguf_file is not None:
+        name = Path(src.location.gguf_file).name
+    else:
+        name = src.location.hub_id or public_name(source)
+    return {"name": name, "hub_id": hub_id,
+            "architecture": src.family, "head": src.head,
+            "license": license or card_license(src.location.folder)}
 
 
 def _hub_id(src: Source) -> str | None:

@@ -10,7 +10,8 @@
    ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)``, and asks it a question;
 4. fine-tunes only the metric (backbone frozen) on Python's own pydoc topics, split by topic, with a progress bar, and
    prints the held-out eval loss before and after, the learned geometry and a generation sample;
-5. checks the trained folder and renders its model card as ``fiber-bundle publish --dry-run`` does (no upload).
+5. checks the trained folder and renders its model card as ``fiber-bundle publish --dry-run`` does (no upload), and
+   prints the card's first lines.
 """
 
 import argparse
@@ -26,6 +27,7 @@ from fiber_bundle.conversion.assets import SMOLLM2_HUB_ID, smollm2_gguf
 from fiber_bundle.conversion.fresh_process import run_without_project
 from modeling_fiber_bundle import FiberBundleForCausalLM
 
+CARD_LINES = 10  # of the rendered card, printed at the end
 ASK = """
 import json
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -108,6 +110,10 @@ def main() -> None:
     published = publish(trained, args.repo_id, dry_run=True)
     print(f"Hub-ready folder {trained} ({len(published['files'])} files, card for {args.repo_id}); upload with: "
           f"fiber-bundle publish {trained} --repo-id {args.repo_id}")
+    card = (trained / "README.md").read_text().split("\n---\n", 1)[-1].strip().splitlines()  # the text, after the YAML
+    print("  the card's first lines (README.md):")
+    for line in [line for line in card if line.strip()][:CARD_LINES]:
+        print(f"    {line}")
 
 
 if __name__ == "__main__":

@@ -42,9 +42,14 @@ AutoModelForQuestionAnswering.register(FiberBundleConfig, FiberBundleForQuestion
 # Trainer do). On a CPU with AVX-512 BF16, bitsandbytes 0.50 logs at import that an optional kernel ("kernels-community",
 # which needs the `kernels` package) did not load: a user reads it as a failure of a run that quantises nothing. The
 # kernel serves only 4-bit weights repacked for inference, which these models never hold (FiberBundlePreTrainedModel
-# keeps the repack off), and bitsandbytes falls back to its own. Only that notice is dropped; anything else passes.
+# keeps the repack off), and bitsandbytes falls back to its own. Offline (HF_HUB_OFFLINE=1), the `kernels` package that
+# transformers 5.25 installs logs first that it skips the kernel repository's trust check: the same event, dropped too.
+# Only those two notices are dropped; anything else passes.
 BITSANDBYTES_KERNEL_NOTICE = "Failed to load CPU gemm_4bit_forward from kernels-community"
+BITSANDBYTES_KERNEL_OFFLINE = "Skipping publisher trust check for 'kernels-community/quantization-bitsandbytes'"
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
     lambda record: not record.getMessage().startswith(BITSANDBYTES_KERNEL_NOTICE))
+logging.getLogger("kernels._internals.hf_hub").addFilter(
+    lambda record: not record.getMessage().startswith(BITSANDBYTES_KERNEL_OFFLINE))
 
 __all__ = ["FiberBundleConfig", *modeling_fiber_bundle.__all__]

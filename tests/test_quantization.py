@@ -282,7 +282,9 @@ def test_the_repack_is_kept_off_exactly_while_bitsandbytes_needs_it(repackable, 
 def test_bitsandbytes_optional_kernel_notice_is_dropped_and_nothing_else():
     """Importing the project, then peft (which imports bitsandbytes), prints nothing of bitsandbytes' notice that an
     optional CPU kernel did not load (logged on CPUs with AVX-512 BF16 at import; sent here by hand too, so the filter
-    is checked on every host), while any other warning from the same logger still reaches the user."""
+    is checked on every host), nor the `kernels` package's notice that precedes it offline, while any other warning
+    from the same loggers still reaches the user."""
+    import os
     import subprocess
     import sys
 
@@ -293,10 +295,15 @@ import peft  # imports bitsandbytes
 logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
 logger.warning("Failed to load CPU gemm_4bit_forward from kernels-community: No module named 'kernels'. Please ...")
 logger.warning("another bitsandbytes warning")
+offline = logging.getLogger("kernels._internals.hf_hub")  # the `kernels` package, before that notice, when offline
+offline.warning("Skipping publisher trust check for 'kernels-community/quantization-bitsandbytes' because Hugging ...")
+offline.warning("Skipping publisher trust check for 'someone/other-kernel' because Hugging Face Hub is offline.")
 """
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     assert "kernels-community" not in result.stderr and "another bitsandbytes warning" in result.stderr, result.stderr
+    assert "someone/other-kernel" in result.stderr, result.stderr
 
 
 def test_modes_that_cannot_train_a_quantised_model_are_refused(folder, tmp_path, capsys, monkeypatch):

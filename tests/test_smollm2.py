@@ -29,11 +29,16 @@ def check_report(folder):
     return report
 
 
-def test_gguf_conversion_has_parity_and_a_card(converted):
+def test_gguf_conversion_has_parity_and_a_card(gguf, converted):
     check_report(converted)
     card = ModelCard.load(converted / "README.md")
     assert card.data.base_model == SMOLLM2_HUB_ID and card.data.license == "apache-2.0"
     assert card.data.pipeline_tag == "text-generation" and "custom_code" in card.data.tags
+    # the GGUF lies in the user's cache: the card and the report name it by file name and Hub repo, not by that path
+    source = f"`{gguf.name}` (from [{SMOLLM2_HUB_ID}](https://huggingface.co/{SMOLLM2_HUB_ID}))"
+    assert source in card.text, card.text
+    for name in ("README.md", "conversion_report.json"):
+        assert str(gguf.parent) not in (converted / name).read_text(), name
     assert (converted / "chat_template.jinja").is_file() or "chat_template" in json.loads(
         (converted / "tokenizer_config.json").read_text())
 

@@ -85,18 +85,31 @@ def publish(argv: list[str]) -> int:
     parser.add_argument("--repo-id", required=True, help="OWNER/NAME of the Hub repository")
     parser.add_argument("--private", action="store_true", help="create the repository private")
     parser.add_argument("--revision", default=None, help="branch to upload to (default: main)")
-    parser.add_argument("--dry-run", action="store_true", help="check and render the card only; no network access")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="check, render the card and list the files that would be uploaded; no network access")
+    parser.add_argument("--license", default=None,
+                        help="the card's license, a Hub license id such as apache-2.0 (default: the one the card "
+                             "declares, or the conversion source's)")
+    parser.add_argument("--evaluation", default=None, metavar="JSON",
+                        help="the file `fiber-bundle evaluate ... --json JSON` wrote: its metrics go into the card and "
+                             "its model-index (kept in FOLDER as evaluation_results.json, without local paths)")
+    parser.add_argument("--base-model-id", default=None, metavar="OWNER/NAME",
+                        help="for an adapter folder: the Hub id of the base model it was trained on, written into "
+                             "adapter_config.json (training records the local base folder there)")
     args = parser.parse_args(argv)
 
     from .publish import PublishError, publish as publish_folder
 
     try:
         result = publish_folder(args.folder, args.repo_id, private=args.private, revision=args.revision,
-                                dry_run=args.dry_run)
+                                dry_run=args.dry_run, license=args.license, evaluation=args.evaluation,
+                                base_model_id=args.base_model_id)
     except PublishError as error:
         return report_failure("publish", error, traceback=False)
     action = "would upload (dry run)" if result["dry_run"] else "uploaded"
-    print(f"{action} {len(result['files'])} files to {result['repo_id']}: {', '.join(result['files'])}")
+    print(f"{action} {len(result['files'])} files to {result['repo_id']}:")
+    for name in result["files"]:
+        print(f"  {name}")
     return 0
 
 

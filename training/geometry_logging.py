@@ -22,8 +22,9 @@ def gate_values(model) -> dict[str, float]:
     return found
 
 
-def probe_geometry(model, probe_ids: torch.Tensor) -> dict[str, float]:
-    """Mean (over layers) curvature, torsion and anisotropy proxies of ``model`` on ``probe_ids``, without gradient."""
+def _proxies(model, probe_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The curvature, torsion and anisotropy proxies of ``model`` on ``probe_ids``, one value per layer with an
+    attention metric, without gradient (empty for a plain backbone or a model without attention metric)."""
     if getattr(model.config, "model_type", None) != "fiber_bundle":  # a plain backbone (e.g. LoRA on the source)
         return {}
     was_training = model.training
@@ -31,7 +32,26 @@ def probe_geometry(model, probe_ids: torch.Tensor) -> dict[str, float]:
     with torch.no_grad():
         geometry = model(input_ids=probe_ids.to(model.device), output_geometry=True).geometry
     model.train(was_training)
-    return {f"geometry/{key}": values.float().mean().item() for key, values in (geometry or {}).items()}
+    return {key: values.float() for key, values in (geometry or {}).items()}
+
+
+def probe_geometry(model, probe_ids: torch.Tensor) -> dict[str, float]:
+    """Mean (over layers) curvature, torsion and anisotropy proxies of ``model`` on ``probe_ids``, without gradient."""
+    return {f"geometry/{key}": values.mean().item() for key, values in _proxies(model, probe_ids).items()}
+
+
+def geometry_by_layer(model, probe_ids: torch.Tensor) -> list[dict]:
+    """Per layer: its gates (``gate_values``: alpha, gamma, beta) and its connection proxies on ``probe_ids``
+    (curvature, torsion, anisotropy; layers without an attention metric have none): what the model card shows."""
+    layers: dict[int, dict] = {}
+    for key, value in gate_values(model).items():  # "geometry/layer{i}/{name}"
+        _, layer, name = key.split("/")
+        layers.setdefault(int(layer.removeprefix("layer")), {})[name] = value
+    with_metric = sorted(index for index, values in layers.items() if "alpha" in values)  # the proxies' layer order
+    for key, values in _proxies(model, probe_ids).items():
+        for index, value in zip(with_metric, values.tolist(), strict=True):
+            layers[index][key] = value
+    return [{"layer": index, **layers[index]} for index in sorted(layers)]
 
 
 class GeometryLoggingTrainer(StagedCheckpointTrainer):

@@ -6,9 +6,13 @@ import json
 import shutil
 from pathlib import Path
 
+from fiber_bundle.model_cards import public_name, render_card
+
 from .errors import TrainingError, describe
 
 ADAPTER_CONFIG = "adapter_config.json"
+CONVERSION_REPORT = "conversion_report.json"
+TRAINING_METRICS = "training_metrics.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
@@ -38,8 +42,8 @@ def merge_adapter(adapter_dir: str | Path, output: str | Path, *, base: str | Pa
             it is stored in, even when the adapter was trained on a 4-bit or 8-bit load of it.
         overwrite: replace an ``output`` that already holds a model or other files.
     Returns the output folder and the base and adapter used. The tokenizer comes from ``adapter_dir`` (where
-    ``fiber-bundle train`` saves it) or else from the base; the model card (README.md) and conversion_report.json
-    from a local base folder; training_metrics.json from ``adapter_dir``.
+    ``fiber-bundle train`` saves it) or else from the base; conversion_report.json from ``adapter_dir`` or a local base
+    folder; training_metrics.json from ``adapter_dir`` with the merge recorded; the model card is rendered from them.
     """
     from peft import PeftModel
     from transformers import AutoTokenizer
@@ -65,14 +69,20 @@ def merge_adapter(adapter_dir: str | Path, output: str | Path, *, base: str | Pa
     except Exception as error:
         raise TrainingError(f"could not apply the adapter {adapter_dir} to {base} ({describe(error)}); pass --base "
                             "with the model the adapter was trained on.") from error
-    copied = [(Path(base), "README.md"), (Path(base), "conversion_report.json"), (adapter_dir, "training_metrics.json")]
+    conversion = [path for path in (adapter_dir / CONVERSION_REPORT, Path(base) / CONVERSION_REPORT) if path.is_file()]
+    run = json.loads((adapter_dir / TRAINING_METRICS).read_text()) if (adapter_dir / TRAINING_METRICS).is_file() else {}
+    # what the card says of the merge (model_cards.card), by Hub id or name, never by local path
+    run["merged"] = {"adapter": public_name(adapter_dir), "base": public_name(base)}
+    if "model" in run:  # the adapter's counts include its LoRA pairs; the merged model has none
+        run["model"] = {**run["model"], "parameters": sum(p.numel() for p in merged.parameters()), "trainable": None}
 
     def write(folder: Path):
         merged.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
-        for source, name in copied:  # the card and the reports travel with the model
-            if (source / name).is_file():
-                shutil.copyfile(source / name, folder / name)
+        if conversion:  # the source and its parity travel with the model
+            shutil.copyfile(conversion[0], folder / CONVERSION_REPORT)
+        (folder / TRAINING_METRICS).write_text(json.dumps(run, indent=2) + "\n")
+        render_card(folder, name=output.name)
 
     write_output(output, write)
     return {"output": str(output), "base": base, "adapter": str(adapter_dir)}

@@ -4,16 +4,19 @@ import copy
 import json
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 from transformers import Trainer, TrainingArguments, default_data_collator, set_seed
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
+from fiber_bundle.model_cards import framework_versions, hardware, public_name, render_card
+
 from .arguments import FiberBundleTrainingArguments
 from .checkpoints import CHECKPOINTS
 from .errors import TrainingError, describe
-from .geometry_logging import GeometryLoggingTrainer
+from .geometry_logging import GeometryLoggingTrainer, geometry_by_layer
 from .modes import is_geometry_parameter, prepare_for_training
 
 
@@ -224,31 +227,72 @@ def run_training(model_path: str | Path | None, output: str | Path, args: FiberB
         start_again(output)
     trainer = build_trainer(model, train_set, args, eval_dataset=eval_set)
     before = trainer.evaluate()["eval_loss"] if eval_set is not None else None
+    started = time.perf_counter()
     trainer.train(resume_from_checkpoint=args.checkpoint_to_resume)
+    train_seconds = time.perf_counter() - started
     after = trainer.evaluate()["eval_loss"] if eval_set is not None else None
     if args.mode == "lora" and args.base_model_id:  # an adapter published on the Hub must name its base by Hub id
         for peft_config in trainer.model.peft_config.values():
             peft_config.base_model_name_or_path = args.base_model_id
     riemannian = {"riemannian_learning_rate": args.riemannian_learning_rate or args.learning_rate, "block": args.block,
                   "retraction": args.retraction}
+    probe = torch.tensor((eval_set if eval_set is not None else train_set)[:2]["input_ids"])
     result = {"mode": args.mode, "steps": trainer.state.global_step, "eval_loss_before": before,
               "eval_loss_after": after, "block_size": args.block_size, "learning_rate": args.learning_rate,
               "batch_size": args.per_device_train_batch_size, "seed": args.seed, "optimizer": args.optimizer,
               **({"quantization": quantised} if (quantised := _quantisation_of(model)) else {}),
               **(riemannian if args.optimizer != "adamw" else {}),
-              **({"from_config": str(args.from_config), "tokenizer": args.tokenizer or "byte",
-                  "data": corpus or _named(args.data)} if args.from_config is not None else {})}
+              **({"from_config": public_name(args.from_config), "tokenizer": public_name(args.tokenizer or "byte")}
+                 if args.from_config is not None else {}),
+              # what the model card shows (model_cards.card): sources by Hub id or name, never by local path
+              **run_record(args, trainer, config, base=None if model_path is None else args.base_model_id or
+                           public_name(model_path), data=corpus or public_name(args.data),
+                           eval_data=None if corpus else public_name(args.eval_data), train_blocks=len(train_set),
+                           eval_blocks=len(eval_set) if eval_set is not None else None, train_seconds=train_seconds),
+              "geometry": {"probe_tokens": int(probe.numel()), "held_out": eval_set is not None,
+                           "layers": geometry_by_layer(trainer.model, probe)}}
 
     def write(folder: Path):
         trainer.model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
-        for name in ("README.md", "conversion_report.json"):  # the card and parity report travel with the model
-            if model_path is not None and (Path(model_path) / name).is_file() and not (folder / name).exists():
-                shutil.copyfile(Path(model_path) / name, folder / name)
+        conversion = None if model_path is None else Path(model_path) / "conversion_report.json"
+        if conversion is not None and conversion.is_file():  # the source and its parity travel with the model
+            shutil.copyfile(conversion, folder / "conversion_report.json")
         (folder / "training_metrics.json").write_text(json.dumps(result, indent=2) + "\n")
+        render_card(folder, name=output.name)  # replaces the card PEFT writes beside an adapter
 
     write_output(output, write)
     return {**result, "output": str(output)}
+
+
+def run_record(args: FiberBundleTrainingArguments, trainer, config, *, base: str | None, data: str | None,
+               eval_data: str | None, train_blocks: int, eval_blocks: int | None, train_seconds: float) -> dict:
+    """What training_metrics.json records for the model card besides the losses: the sources (public names), the
+    tokens seen, the rest of the hyper-parameters, the model's size, the hardware, the time and the software."""
+    trainable = total = 0
+    if hasattr(trainer.model, "get_nb_trainable_parameters"):  # PEFT: counts 4-bit weights by their real size
+        trainable, total = trainer.model.get_nb_trainable_parameters()
+    else:
+        for param in trainer.model.parameters():
+            total += param.numel()
+            trainable += param.numel() if param.requires_grad else 0
+    accumulation, processes = args.gradient_accumulation_steps, args.world_size
+    scheduler = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
+    return {
+        "base": base, "data": data, "eval_data": eval_data,
+        "train_tokens": trainer.state.global_step * args.per_device_train_batch_size * accumulation * processes
+        * args.block_size,
+        "train_blocks": train_blocks, "eval_tokens": None if eval_blocks is None else eval_blocks * args.block_size,
+        "gradient_accumulation_steps": accumulation, "processes": processes, "lr_scheduler_type": str(scheduler),
+        "warmup_steps": args.get_warmup_steps(max(trainer.state.max_steps, 1)), "weight_decay": args.weight_decay,
+        "metric_learning_rate": args.metric_learning_rate, **({"lora_r": args.lora_r} if args.mode == "lora" else {}),
+        "precision": "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32",
+        "model": {"architectures": list(config.architectures or ["FiberBundleForCausalLM"]), "parameters": total,
+                  "trainable": trainable, **{name: getattr(config, name) for name in
+                                             ("metric_rank", "ffn_metric_rank", "metric_hidden", "num_hidden_layers",
+                                              "hidden_size")}},
+        "hardware": hardware(), "train_seconds": train_seconds, "versions": framework_versions(),
+    }
 
 
 def _quantisation_of(model) -> str | None:
