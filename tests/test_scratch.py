@@ -104,7 +104,7 @@ def test_train_from_config_builds_trains_and_writes_a_folder_that_loads_with_rem
     before, after = (float(x) for x in printed.split("eval loss: ")[1].split()[0::2])
     assert math.isclose(before, math.log(258), rel_tol=0.05) and after < before  # starts near uniform, learns
     metrics = json.loads((out / "training_metrics.json").read_text())
-    assert metrics["mode"] == "full" and metrics["from_config"] == str(config) and metrics["tokenizer"] == "byte"
+    assert metrics["mode"] == "full" and metrics["from_config"] == config.name and metrics["tokenizer"] == "byte"
     assert metrics["data"] == "pydoc"
     saved = json.loads((out / "config.json").read_text())
     assert saved["metric_gate_init"] == 1.0 and saved["vocab_size"] == 258 and "auto_map" in saved
@@ -146,7 +146,7 @@ def test_train_from_config_trains_the_euclidean_twin_and_a_preset(tmp_path, caps
     assert main(["train", str(tmp_path / "preset"), "--from-config", "tiny", "--max-steps", "1", "--batch-size", "1",
                  "--block-size", "16", "--quiet", *data]) == 0
     metrics = json.loads((tmp_path / "preset" / "training_metrics.json").read_text())
-    assert metrics["data"] == str(text[0]) and metrics["from_config"] == "tiny"
+    assert metrics["data"] == text[0].name and metrics["from_config"] == "tiny"
     assert json.loads((tmp_path / "preset" / "config.json").read_text())["hidden_size"] == PRESETS["tiny"]["hidden_size"]
 
 
