@@ -66,9 +66,9 @@ class FiberBundleConfig(PreTrainedConfig):
             PyTorch loop), or "auto" (Triton for CUDA tensors when it imports and no attention dropout applies, the
             PyTorch loop everywhere else).
         geometry_recompute (`bool`, defaults to True):
-            In training, keep only the inputs of the O(n d r) metric computations (factor generation, the Woodbury step;
-            the blocked kernel rebuilds G_i q_i itself) and recompute them in the backward: less activation memory for
-            a few percent more time.
+            In training, keep only the inputs of the O(n d r) metric computations (the attention factors' generation;
+            the Woodbury step where it builds its factors; the blocked kernel rebuilds G_i q_i itself) and recompute
+            them in the backward: less activation memory for a few percent more time.
     """
 
     model_type = "fiber_bundle"

@@ -175,6 +175,16 @@ def apply_mask(scores: torch.Tensor, mask: MaskTerms, allowed: torch.Tensor | No
     return scores
 
 
+def query_blocks(q_len, block_size: int) -> list:
+    """The [i0, i1) row range of each query block of the blocked path.
+
+    Why count the blocks rather than step through range(0, q_len, block_size): under torch.compile a range over the
+    length specialises the graph to that very length (one compilation per length); a range over the number of blocks
+    guards on ceil(q_len / block_size) only, so every length with as many blocks shares one graph.
+    """
+    return [(i * block_size, min((i + 1) * block_size, q_len)) for i in range((q_len + block_size - 1) // block_size)]
+
+
 def _key_range(allowed: torch.Tensor | None, i0: int, i1: int, q_len: int, kv_len: int) -> tuple[int, int]:
     """The smallest key interval [start, end) that holds every allowed key of query rows [i0, i1).
 
@@ -344,8 +354,7 @@ def _blocked_forward(gq, factors, half_alpha, bias, key, value, mask: MaskTerms,
     ha = half_alpha.view(1, hk, g, 1, 1)
     out = gq.new_empty((b, hk, g, q_len, d))
     lse = gq.new_empty((b, hk, g, q_len))
-    for i0 in range(0, q_len, block_size):
-        i1 = min(i0 + block_size, q_len)
+    for i0, i1 in query_blocks(q_len, block_size):
         k0, k1 = _key_range(mask.allowed, i0, i1, q_len, kv_len)
         mask_blk, diagonal = _block_mask(mask, i0, i1, k0, k1, q_len)
         _, prods = _block_products(gq[:, :, :, i0:i1], factors[:, :, :, i0:i1], key_c[:, :, k0:k1])
@@ -411,8 +420,7 @@ class _BlockedGeodesicAttention(torch.autograd.Function):
         d_key, d_value = torch.zeros_like(key_c), torch.zeros_like(value_c)
         # D_i = sum_j P_ij dP_ij = dO_i . O_i (softmax backward without storing P; holds with dropout too)
         delta = (grad_out * out).sum(-1, keepdim=True)  # (B, Hk, g, q, 1)
-        for i0 in range(0, q_len, block_size):
-            i1 = min(i0 + block_size, q_len)
+        for i0, i1 in query_blocks(q_len, block_size):
             bq = i1 - i0
             k0, k1 = _key_range(allowed, i0, i1, q_len, kv_len)
             mask_blk, diagonal = _block_mask(mask, i0, i1, k0, k1, q_len)
@@ -573,8 +581,7 @@ def blocked_attention_probs(
     mask = _kernel_mask(attention_mask, q_len, kv_len, hk, g, gq.dtype)
     key_c = key.to(gq.dtype)
     blocks = []
-    for i0 in range(0, q_len, block_size):
-        i1 = min(i0 + block_size, q_len)
+    for i0, i1 in query_blocks(q_len, block_size):
         mask_blk, diagonal = _block_mask(mask, i0, i1, 0, kv_len, q_len)
         _, prods = _block_products(gq[:, :, :, i0:i1], factors_s[:, :, :, i0:i1], key_c)
         shape = (g, factors_s.shape[2], i1 - i0, factors_s.shape[4])
@@ -590,25 +597,145 @@ def blocked_attention_probs(
 # --------------------------------------------------------------------------------------------------------------------
 # Metric-preconditioned MLP step (docs/design.md 1.3)
 # --------------------------------------------------------------------------------------------------------------------
+# Ranks up to this get the Woodbury system solved by an unrolled Cholesky in elementwise ops (``small_spd_solve``);
+# larger ranks by LAPACK. Why: per token the system is r x r, and batched LAPACK on thousands of 2 x 2 matrices is an
+# opaque call per matrix that no compiler fuses, while r(r + 1)/2 elementwise steps fuse into the surrounding kernel.
+UNROLLED_SOLVE_MAX_RANK = 4
+
+
+def gram_entries(v: torch.Tensor) -> torch.Tensor:
+    """V^T V of row-wise factors v (..., r, D) as (..., r, r): each entry of the lower triangle an elementwise product
+    summed over D, mirrored to the upper one.
+
+    Why not a matmul: per token this is an (r x D) @ (D x r) product, which batched matmul runs far below its speed;
+    one entry at a time keeps the temporaries at O(D) per token (a broadcast product would hold r^2 D)."""
+    r = v.shape[-2]
+    entries = {}
+    for i in range(r):
+        for j in range(i + 1):
+            entries[i, j] = entries[j, i] = (v[..., i, :] * v[..., j, :]).sum(-1)  # (...)
+    return torch.stack([torch.stack([entries[i, j] for j in range(r)], dim=-1) for i in range(r)], dim=-2)
+
+
+def small_spd_solve(system: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    """x = system^{-1} rhs for a batch of small SPD matrices, by Cholesky unrolled into elementwise ops.
+
+    system (..., r, r) symmetric positive definite (only its lower triangle is read); rhs (..., r). Returns (..., r).
+    Why unrolled: see ``UNROLLED_SOLVE_MAX_RANK``. The pivots are clamped at the dtype's smallest normal number, which
+    changes nothing for an SPD system and keeps a rounding error from turning into a NaN.
+    """
+    r = system.shape[-1]
+    tiny = torch.finfo(system.dtype).tiny
+    low = [[None] * r for _ in range(r)]  # L[i][j], i >= j: entries of the Cholesky factor, each of shape (...)
+    for j in range(r):
+        pivot = system[..., j, j]
+        for k in range(j):
+            pivot = pivot - low[j][k].square()
+        low[j][j] = pivot.clamp_min(tiny).sqrt()
+        for i in range(j + 1, r):
+            entry = system[..., i, j]
+            for k in range(j):
+                entry = entry - low[i][k] * low[j][k]
+            low[i][j] = entry / low[j][j]
+    z = [None] * r  # L z = rhs
+    for i in range(r):
+        value = rhs[..., i]
+        for k in range(i):
+            value = value - low[i][k] * z[k]
+        z[i] = value / low[i][i]
+    x = [None] * r  # L^T x = z
+    for i in reversed(range(r)):
+        value = z[i]
+        for k in range(i + 1, r):
+            value = value - low[k][i] * x[k]
+        x[i] = value / low[i][i]
+    return torch.stack(x, dim=-1)
+
+
 def woodbury_precondition(update: torch.Tensor, factors: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
     """M^{-1} y with M = I_D + beta V V^T, by Woodbury: y - beta V (I_r + beta V^T V)^{-1} V^T y.
 
     update y (..., D); factors (..., r, D) row-wise (V^T); beta scalar tensor. O(D r^2 + r^3) per token, never D x D.
     """
-    # why at least float32: Cholesky has no half-precision kernels, and in float32 the system stays SPD only
-    # because beta >= GATE_FLOOR (beta = -1 exactly would make it singular)
+    # why at least float32: the r x r system stays SPD in float32 only because beta >= GATE_FLOOR (beta = -1 exactly
+    # would make it singular), and LAPACK's Cholesky has no half-precision kernels
     compute = compute_dtype(update.dtype, factors.dtype)
     y, v = update.to(compute), factors.to(compute)
     beta = beta.to(compute)
+    r = v.shape[-2]
     # why elementwise products for V^T y and V s: per token they are (r x D) matrix-vector products, which batched
     # matmul runs far below its speed; a multiply and a sum over D stream through memory once.
-    coords = (v * y.unsqueeze(-2)).sum(-1, keepdim=True)  # V^T y: (..., r, 1)
-    eye = torch.eye(v.shape[-2], dtype=compute, device=v.device)
-    system = torch.addcmul(eye, beta, metric_gram(v))  # I + beta V^T V: SPD since beta > -1 and ||V||_2 < 1
-    # why Cholesky: the system is SPD by construction, and its factor-and-solve is half the ops of a general LU solve
-    solved = torch.cholesky_solve(coords, torch.linalg.cholesky_ex(system)[0])  # (..., r, 1)
-    correction = (solved * v).sum(-2)  # V (.)^{-1} V^T y: (..., D)
+    coords = (v * y.unsqueeze(-2)).sum(-1)  # V^T y: (..., r)
+    eye = torch.eye(r, dtype=compute, device=v.device)
+    if r <= UNROLLED_SOLVE_MAX_RANK:
+        system = torch.addcmul(eye, beta, gram_entries(v))  # I + beta V^T V: SPD since beta > -1 and ||V||_2 < 1
+        solved = small_spd_solve(system, coords)  # (..., r)
+    else:  # Cholesky by LAPACK: the system is SPD by construction, and factor-and-solve is half the ops of an LU solve
+        system = torch.addcmul(eye, beta, metric_gram(v))
+        solved = torch.cholesky_solve(coords.unsqueeze(-1), torch.linalg.cholesky_ex(system)[0]).squeeze(-1)
+    correction = (solved.unsqueeze(-1) * v).sum(-2)  # V (.)^{-1} V^T y: (..., D)
     return torch.addcmul(y, beta, correction, value=-1.0).to(update.dtype)  # y - beta V (.)^{-1} V^T y
+
+
+def ffn_factors_from_code(code: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, rank: int) -> torch.Tensor:
+    """The MLP metric's bounded factors V_i (..., r_f, D), r_f = ``rank``, from the fibre code z (..., m) and the
+    generator W_V (r_f D, m), b (r_f D,): bounded_factors(reshape(W_V z + b)). What ``woodbury_in_code`` never builds."""
+    raw = torch.nn.functional.linear(code, weight, bias)  # (..., r_f D)
+    return bounded_factors(raw.view(*code.shape[:-1], rank, -1))
+
+
+def woodbury_in_code(update, code, weight, bias, beta) -> torch.Tensor:
+    """``woodbury_precondition(update, ffn_factors_from_code(code, weight, bias), beta)`` without building the factors.
+
+    update y (..., D); code z (..., m); weight W_V (r_f D, m) laid out (r_f, D) by rows, bias b (r_f D,); beta scalar.
+    With raw_a = W_a z + b_a (W_a the a-th (D, m) block) and s^2 = 1 / (1 + ||raw||_F^2) (the bounded map), V = s raw,
+    so V^T y = s raw^T y, V^T V = s^2 raw^T raw and V x = s raw x; every raw product is taken in the code's coordinates:
+        raw_a . y     = z . (W_a^T y) + b_a . y                                   ((..., D) @ (D, r_f m + r_f))
+        raw_a . raw_b = z^T (W_a^T W_b) z + z . (W_a^T b_b + W_b^T b_a) + b_a . b_b  (W_a^T W_b: m x m, once per call)
+        raw x         = W (x (x) z) + b x                                         ((..., r_f m + r_f) @ (., D))
+    Why: the (..., r_f, D) factors, their bounded map and the products over D were most of the MLP metric's cost and
+    memory (forward and backward); here three matmuls of width r_f (m + 1) carry it, nothing of size r_f D per token is
+    stored, and the r_f x r_f system is solved elementwise (``small_spd_solve``) for small r_f.
+    """
+    compute = compute_dtype(update.dtype, code.dtype, weight.dtype)
+    y, z = update.to(compute), code.to(compute)
+    dim, m = y.shape[-1], z.shape[-1]
+    r = weight.shape[0] // dim
+    w = weight.to(compute).view(r, dim, m)  # W_a: (D, m) per factor row a
+    b = bias.to(compute).view(r, dim)
+    lead = y.shape[:-1]
+    # raw^T y: (..., D) @ (D, r m + r) -> (..., r, m) contracted with z, plus b_a . y
+    to_code = torch.cat((w.transpose(0, 1).reshape(dim, r * m), b.transpose(0, 1)), dim=1)  # (D, r m + r)
+    proj = torch.matmul(y, to_code)
+    coords = (proj[..., : r * m].view(*lead, r, m) * z.unsqueeze(-2)).sum(-1) + proj[..., r * m :]  # (..., r)
+    # raw^T raw from its lower triangle: the m x m blocks W_a^T W_b (a >= b) and cross terms W_a^T b_b + W_b^T b_a, each
+    # once per call, then one (..., m) @ (m, P m + P) product, P = r (r + 1) / 2 pairs
+    pairs = [(a, c) for a in range(r) for c in range(a + 1)]  # the P pairs (a, c), a >= c
+    # (from slices, not a gather with repeated indices such as w[[0, 1, 1]]: its backward compiled by inductor (torch
+    # 2.13, CPU) corrupted the heap)
+    blocks = torch.cat([w[a].transpose(0, 1) @ w[c] for a, c in pairs], dim=1)  # W_a^T W_c: (m, P m)
+    cross = torch.stack([w[a].transpose(0, 1) @ b[c] + w[c].transpose(0, 1) @ b[a] for a, c in pairs], dim=1)  # (m, P)
+    quad = torch.matmul(z, torch.cat((blocks, cross), dim=1))  # (..., P m + P)
+    count = len(pairs)
+    lower = (quad[..., : count * m].view(*lead, count, m) * z.unsqueeze(-2)).sum(-1) + quad[..., count * m :]
+    lower = lower + torch.stack([b[a] @ b[c] for a, c in pairs])  # raw_a . raw_c for the P pairs: (..., P)
+    entry = {}
+    for p, (a, c) in enumerate(pairs):
+        entry[a, c] = entry[c, a] = lower[..., p]
+    gram = torch.stack([torch.stack([entry[a, c] for c in range(r)], dim=-1) for a in range(r)], dim=-2)  # (.., r, r)
+    # the bounded map's s^2 = 1 / (1 + ||raw||_F^2), ||raw||_F^2 = trace(raw^T raw) (a rounding below 0 is cut off)
+    trace = sum(entry[a, a].clamp_min(0) for a in range(r)).unsqueeze(-1)
+    s2 = torch.reciprocal(1.0 + trace)  # (..., 1)
+    eye = torch.eye(r, dtype=compute, device=y.device)
+    system = torch.addcmul(eye, (beta.to(compute) * s2).unsqueeze(-1), gram)  # I + beta V^T V: SPD
+    if r <= UNROLLED_SOLVE_MAX_RANK:
+        solved = small_spd_solve(system, coords * s2)  # (I + beta V^T V)^{-1} V^T y, times s: (..., r)
+    else:
+        solved = torch.cholesky_solve((coords * s2).unsqueeze(-1), torch.linalg.cholesky_ex(system)[0]).squeeze(-1)
+    # V (.) = s raw (.) = raw (s (.)): (..., r m + r) @ (r m + r, D)
+    spread = torch.cat(((solved.unsqueeze(-1) * z.unsqueeze(-2)).reshape(*lead, r * m), solved), dim=-1)
+    correction = torch.matmul(spread, torch.cat((w.transpose(1, 2).reshape(r * m, dim), b), dim=0))
+    return torch.addcmul(y, beta.to(compute), correction, value=-1.0).to(update.dtype)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -627,7 +754,7 @@ def curvature_proxy(factors: torch.Tensor, alpha: torch.Tensor, token_mask: torc
     cross = torch.matmul(nxt, cur.transpose(-1, -2))  # A^T B: (B, H, n-1, r, r)
     sq = lambda m: m.pow(2).sum(dim=(-2, -1))  # noqa: E731  squared Frobenius norm of r x r matrices
     diff = a.pow(2) * (sq(metric_gram(nxt)) + sq(gram_cur) - 2 * sq(cross))
-    norm = d + 2 * a * gram_cur.diagonal(dim1=-2, dim2=-1).sum(-1) + a.pow(2) * sq(gram_cur)
+    norm = d + 2 * a * cur.square().sum((-2, -1)) + a.pow(2) * sq(gram_cur)  # tr(B^T B) = ||B||_F^2
     ratio = diff.clamp_min(0) / norm  # (B, H, n-1)
     if token_mask is None:  # why not mean(): a one-token input (a decode step) has no pair, and its mean is NaN
         return ratio.sum() / max(ratio.numel(), 1)

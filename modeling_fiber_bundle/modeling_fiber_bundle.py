@@ -57,6 +57,7 @@ from .fiber_attention import (
     reference_geodesic_attention,
     rotate_factors,
     torsion_proxy,
+    woodbury_in_code,
     woodbury_precondition,
     zero_empty_rows,
 )
@@ -194,8 +195,19 @@ class FiberState(NamedTuple):
     attn_factors: torch.Tensor | None  # (B, Hf, n, r, d), spectral norm < 1
     alpha: torch.Tensor | None  # (H,)  alpha = exp(theta) - 1 >= GATE_FLOOR > -1
     gamma: torch.Tensor | None  # (H,)
-    ffn_factors: torch.Tensor | None  # (B, n, r_f, D), spectral norm < 1
+    ffn_factors: torch.Tensor | None  # (B, n, r_f, D), spectral norm < 1; None when the generator below is given
     beta: torch.Tensor | None  # ()    beta = exp(phi) - 1 >= GATE_FLOOR > -1
+    # the MLP metric in the fibre code's coordinates (``woodbury_in_code``): the code z (B, n, m) and W_V, b; the factors
+    # V_i = ffn_factors_from_code(ffn_code, ffn_weight, ffn_bias, r_f) are then never built
+    ffn_code: torch.Tensor | None = None
+    ffn_weight: torch.Tensor | None = None
+    ffn_bias: torch.Tensor | None = None
+
+    def preconditioned(self, update: torch.Tensor) -> torch.Tensor:
+        """M_i^{-1} update (docs/design.md 1.3), from the factors or, without building them, from the code."""
+        if self.ffn_factors is not None:
+            return woodbury_precondition(update, self.ffn_factors, self.beta)
+        return woodbury_in_code(update, self.ffn_code, self.ffn_weight, self.ffn_bias, self.beta)
 
 
 class FiberBundleMetric(nn.Module):
@@ -242,11 +254,24 @@ class FiberBundleMetric(nn.Module):
             attn_factors = bounded_factors(raw.transpose(1, 2))  # (B, Hf, n, r, d)
             alpha = metric_gate(self.attn_gate)
             gamma = self.flatness_gate
+        generator = {}
         if self.ffn_metric_rank > 0 and part != "attention":
-            raw = self.ffn_factor_proj(code).view(b, n, self.ffn_metric_rank, self.hidden_size)
-            ffn_factors = bounded_factors(raw)  # (B, n, r_f, D)
             beta = metric_gate(self.ffn_gate)
-        return FiberState(attn_factors, alpha, gamma, ffn_factors, beta)
+            if self.ffn_step_in_code():
+                proj = self.ffn_factor_proj
+                generator = dict(ffn_code=code, ffn_weight=proj.weight, ffn_bias=proj.bias)
+            else:
+                raw = self.ffn_factor_proj(code).view(b, n, self.ffn_metric_rank, self.hidden_size)
+                ffn_factors = bounded_factors(raw)  # (B, n, r_f, D)
+        return FiberState(attn_factors, alpha, gamma, ffn_factors, beta, **generator)
+
+    def ffn_step_in_code(self) -> bool:
+        """Whether the MLP step runs in the fibre code's coordinates (``woodbury_in_code``) rather than on built factors:
+        for a plain Linear W_V (a wrapped one, a LoRA layer say, makes its factors with its own forward) when
+        r_f m <= D. Why that bound: the code route's work and memory per token grow as r_f (r_f + 1) m / 2 + 2 r_f m,
+        the factors' as a few r_f D."""
+        return (self.ffn_metric_rank > 0 and type(self.ffn_factor_proj) is nn.Linear
+                and self.ffn_metric_rank * self.code_proj.out_features <= self.hidden_size)
 
 
 def expand_factors(factors: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -443,13 +468,15 @@ class FiberBundleDecoderLayer(GradientCheckpointingLayer):
     def fiber_state(self, normed: torch.Tensor) -> FiberState | None:
         """This layer's metric field, built once per forward for attention and MLP; None for a layer without ``fiber``.
 
-        In training with ``config.geometry_recompute`` it holds the attention part only, checkpointed as a whole: the
-        backward keeps only its input and recomputes the O(n d r) intermediates (code, raw factors, bounded map) there;
-        the MLP step builds its own part inside its checkpoint (``precondition``), so nothing is built twice."""
+        In training with ``config.geometry_recompute`` the attention part is checkpointed as a whole: the backward
+        keeps only its input and recomputes the O(n d r) intermediates (code, raw factors, bounded map) there; the MLP
+        part is then built by ``precondition``."""
         fiber = getattr(self, "fiber", None)
         if fiber is None:
             return None
         if self._recomputes():
+            if self.config.metric_rank == 0:
+                return FiberState(None, None, None, None, None)
             return torch.utils.checkpoint.checkpoint(fiber, normed, "attention", use_reentrant=False)
         return fiber(normed)
 
@@ -460,14 +487,16 @@ class FiberBundleDecoderLayer(GradientCheckpointingLayer):
     def precondition(self, normed: torch.Tensor, update: torch.Tensor, state: FiberState) -> torch.Tensor:
         """The metric-preconditioned step M_i^{-1} update (docs/design.md 1.3), Woodbury inverse, never D x D.
 
-        When recomputing, the step is checkpointed together with the factors it reads, built from ``normed`` here and
-        again in the backward: kept, the (n, r_f, D) MLP factors would be most of the metric's activation memory."""
-        if not self._recomputes():
-            return woodbury_precondition(update, state.ffn_factors, state.beta)
+        When recomputing, the state holds the attention part only and the MLP part is built here: in the code's
+        coordinates (``woodbury_in_code``) it keeps nothing of size r_f D per token, so it needs no checkpoint; a
+        wrapped generator's factors (n, r_f, D) are checkpointed with the step instead."""
+        if state.beta is not None:
+            return state.preconditioned(update)
+        if self.fiber.ffn_step_in_code():  # (a PEFT wrapper of ``fiber`` answers for the copy it runs)
+            return self.fiber(normed, "ffn").preconditioned(update)
 
         def step(normed, update):
-            ffn = self.fiber(normed, "ffn")
-            return woodbury_precondition(update, ffn.ffn_factors, ffn.beta)
+            return self.fiber(normed, "ffn").preconditioned(update)
 
         return torch.utils.checkpoint.checkpoint(step, normed, update, use_reentrant=False)
 

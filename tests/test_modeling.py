@@ -9,7 +9,7 @@ from transformers import AutoModel, AutoModelForCausalLM, CompileConfig, LlamaCo
 from helpers import FLEX_KERNEL, SOURCE_FAMILIES, TINY, geometry_step_change, random_ids, set_gates, tiny_config, tiny_model
 from modeling_fiber_bundle import FiberBundleConfig, FiberBundleForCausalLM, FiberBundleModel
 from modeling_fiber_bundle import modeling_fiber_bundle as modeling
-from modeling_fiber_bundle.fiber_attention import metric_gram, reference_geodesic_attention
+from modeling_fiber_bundle.fiber_attention import ffn_factors_from_code, metric_gram, reference_geodesic_attention
 
 F64 = torch.float64
 BACKBONE_KEYS = {k: v for k, v in TINY.items() if k not in ("pad_token_id",)}
@@ -491,13 +491,16 @@ def test_every_llama_rope_type_equals_llama_beyond_max_position_embeddings(name)
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("rope", ["default", "yarn", "longrope"])
-def test_metric_is_spd_in_every_dtype_and_rope_type(monkeypatch, dtype, rope):
+@pytest.mark.parametrize("ffn_route", ["factors", "code"])
+def test_metric_is_spd_in_every_dtype_and_rope_type(monkeypatch, dtype, rope, ffn_route):
     """docs/design.md 1.1: G_i = I + alpha U_i U_i^T is SPD for every input, in the dtype the model runs in, whatever the RoPE
     type: the factors the attention uses (after their rotation) keep ||U_i||_2 < 1 (YaRN's and longrope's
-    attention_scaling turn q and k only) and alpha stays above -1 where expm1 rounds to -1."""
+    attention_scaling turn q and k only) and alpha stays above -1 where expm1 rounds to -1. So is M_i, whether the MLP
+    step builds its factors (r_f m > D) or runs in the code's coordinates (r_f m <= D)."""
     max_positions, params = ROPE_CASES[rope]
-    model = tiny_model(dtype=dtype, max_position_embeddings=max_positions,
-                       rope_parameters={**params, "rope_theta": 10000.0})
+    model = tiny_model(dtype=dtype, max_position_embeddings=max_positions, rope_parameters={**params, "rope_theta": 10000.0},
+                       metric_hidden=64 if ffn_route == "factors" else 16)
+    assert model.model.layers[0].fiber.ffn_step_in_code() == (ffn_route == "code")
     with torch.no_grad():
         for layer in model.model.layers:
             layer.fiber.attn_factor_proj.weight.mul_(1e3)  # huge raw factors: ||U_i|| right at the bound
@@ -519,7 +522,12 @@ def test_metric_is_spd_in_every_dtype_and_rope_type(monkeypatch, dtype, rope):
         sigma_sq = torch.linalg.eigvalsh(metric_gram(factors.double())).amax(-1)  # (B, Hk, n): ||U_i||_2^2
         alpha = state.alpha.double().view(1, factors.shape[1], -1, 1)  # (1, Hk, g, 1): the heads sharing U_i
         assert (1.0 + alpha * sigma_sq[:, :, None]).min() > 0  # G's smallest eigenvalue, from the kernel's values
-        v_sq = torch.linalg.eigvalsh(metric_gram(state.ffn_factors.double())).amax(-1)
+        ffn_factors = state.ffn_factors
+        if ffn_factors is None:  # the step in the code's coordinates: the factors it stands for
+            ffn_factors = ffn_factors_from_code(state.ffn_code, state.ffn_weight, state.ffn_bias,
+                                                model.config.ffn_metric_rank)
+        ffn_factors = ffn_factors.double()
+        v_sq = torch.linalg.eigvalsh(metric_gram(ffn_factors)).amax(-1)
         assert (1.0 + state.beta.double() * v_sq).min() > 0  # M_i's smallest eigenvalue
 
 
