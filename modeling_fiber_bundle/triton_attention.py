@@ -43,15 +43,14 @@ def use_triton_kernel(kernel: str, query: torch.Tensor, dropout: float) -> bool:
     """Whether the default (blocked) branch of ``geodesic_attention_forward`` runs this kernel.
 
     ``kernel`` is ``config.fiber_attention_kernel``: "pytorch" never; "auto" for CUDA tensors of a kernel dtype when
-    Triton imports, without attention dropout, outside ``torch.compile`` (whose graph the blocked path keeps whole);
+    Triton imports, without attention dropout (inside ``torch.compile`` too: the kernels are custom operators);
     "triton" always, or a clear error where it cannot run. ``dropout`` is the probability actually applied (0 in
     evaluation).
     """
     if kernel == "pytorch":
         return False
     if kernel == "auto":
-        return (triton is not None and query.is_cuda and query.dtype in KERNEL_DTYPES and dropout == 0
-                and not torch.compiler.is_compiling())
+        return triton is not None and query.is_cuda and query.dtype in KERNEL_DTYPES and dropout == 0
     if triton is None:
         raise ImportError(
             "fiber_attention_kernel='triton' needs Triton, which is not installed: `pip install triton` (or "
@@ -419,59 +418,101 @@ def _check_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
         )
 
 
-class _TritonGeodesicAttention(torch.autograd.Function):
-    """The fused kernels as an autograd function: inputs and saved tensors as ``_BlockedGeodesicAttention``'s
+def _forward(query, factors, alpha, bias, key, value, allowed, additive, scale, block_m, block_n):
+    """The forward kernel: output (compute dtype) and log-sum-exp. Arguments as ``_BlockedGeodesicAttention``'s
     (query (B, Hk, g, q, d), factors (B, Hk, gf, q, r, d), alpha (Hk, g), bias (B, Hk, g, kv) in the compute dtype;
-    key, value (B, Hk, kv, d); the grouped mask parts), plus the tile sizes (None: chosen from r, ``_tiles``)."""
+    key, value (B, Hk, kv, d); the grouped mask parts), plus the tile sizes."""
+    gq, factors_s, half_alpha, _ = _kernel_operands(query, factors, alpha, scale)
+    gq, factors_s, bias = gq.contiguous(), factors_s.contiguous(), bias.contiguous()
+    launch = _Launch(gq, factors_s, key, value, allowed, additive, (block_m, block_n))
+    out = gq.new_empty(gq.shape)
+    lse = gq.new_empty(gq.shape[:-1])
+    ranges, has_ranges = launch.ranges(along_queries=True)
+    grid = (triton.cdiv(launch.q_len, launch.block_m), launch.grid_heads)
+    _run(_geodesic_fwd, grid, gq, factors_s, half_alpha.contiguous(), bias, key, value, launch.allowed,
+         launch.additive, ranges, out, lse, *launch.scalars, HAS_RANGES=has_ranges, BLOCK_M=launch.block_m,
+         BLOCK_N=launch.block_n, **launch.flags, num_warps=launch.num_warps)
+    return out, lse
 
-    @staticmethod
-    def forward(ctx, query, factors, alpha, bias, key, value, allowed, additive, scale, tiles):
-        gq, factors_s, half_alpha, _ = _kernel_operands(query, factors, alpha, scale)
-        gq, factors_s, bias = gq.contiguous(), factors_s.contiguous(), bias.contiguous()
-        launch = _Launch(gq, factors_s, key, value, allowed, additive, tiles)
-        out = gq.new_empty(gq.shape)
-        lse = gq.new_empty(gq.shape[:-1])
-        ranges, has_ranges = launch.ranges(along_queries=True)
-        grid = (triton.cdiv(launch.q_len, launch.block_m), launch.grid_heads)
-        _run(_geodesic_fwd, grid, gq, factors_s, half_alpha.contiguous(), bias, key, value, launch.allowed,
-             launch.additive, ranges, out, lse, *launch.scalars, HAS_RANGES=has_ranges, BLOCK_M=launch.block_m,
-             BLOCK_N=launch.block_n, **launch.flags, num_warps=launch.num_warps)
+
+def _backward(query, factors_in, alpha, bias, key, value, allowed, additive, out, lse, grad_out, scale, block_m,
+              block_n):
+    """The two backward kernels and the chain rule to the inputs: d query, factors, alpha, bias, key, value."""
+    gq, factors_s, half_alpha, lifted = _kernel_operands(query, factors_in, alpha, scale)
+    gq, factors_s, half_alpha = gq.contiguous(), factors_s.contiguous(), half_alpha.contiguous()
+    launch = _Launch(gq, factors_s, key, value, allowed, additive, (block_m, block_n))
+    grad_out = grad_out.to(out.dtype).contiguous()
+    delta = (grad_out * out).sum(-1)  # D_i = dO_i . O_i, (B, Hk, g, q)
+    d_key = torch.empty(key.shape, dtype=out.dtype, device=key.device)
+    d_value = torch.empty_like(d_key)
+    d_bias = torch.empty_like(bias)
+    ranges, has_ranges = launch.ranges(along_queries=False)
+    grid = (triton.cdiv(launch.kv_len, launch.block_n), launch.b * launch.hk)
+    args = (gq, factors_s, half_alpha, bias.contiguous(), key, value, launch.allowed, launch.additive)
+    meta = dict(BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, **launch.flags, num_warps=launch.num_warps)
+    _run(_geodesic_bwd_kv, grid, *args, ranges, lse, delta, grad_out, d_key, d_value, d_bias, *launch.scalars,
+         HAS_RANGES=has_ranges, **meta)
+    b, hk, g, q_len, d = gq.shape
+    r = factors_s.shape[4]
+    n_tiles = triton.cdiv(q_len, launch.block_m)
+    d_gq = torch.empty_like(gq)
+    d_factors = gq.new_empty((b, hk, g, q_len, r, d))  # per query head; a shared group's are summed below
+    d_half = gq.new_empty((b, hk, g, n_tiles))
+    ranges, has_ranges = launch.ranges(along_queries=True)
+    _run(_geodesic_bwd_q, (n_tiles, launch.grid_heads), *args, ranges, lse, delta, grad_out, d_gq, d_factors,
+         d_half, *launch.scalars, HAS_RANGES=has_ranges, **meta)
+    if factors_s.shape[2] == 1:
+        d_factors = d_factors.sum(2, keepdim=True)
+    d_query, d_factors, d_alpha = _operand_grads(query, factors_in, alpha, lifted, scale, d_gq, d_factors,
+                                                 d_half.sum(dim=(0, 3)))
+    return d_query, d_factors, d_alpha, d_bias, d_key.to(key.dtype), d_value.to(value.dtype)
+
+
+# The kernels as PyTorch custom operators, so that a compiled training step keeps them inside its graph (one opaque
+# node each, forward and backward) instead of breaking the graph around them. One namespace per loaded copy of this
+# file (the project's, a Hub folder's transformers_modules copy), so that both can be registered in one process.
+OP_NAMESPACE = "".join(c if c.isalnum() else "_" for c in __name__)
+geodesic_forward_op = geodesic_backward_op = None
+if triton is not None:
+    Tensor = torch.Tensor
+
+    @torch.library.custom_op(f"{OP_NAMESPACE}::geodesic_forward", mutates_args=())
+    def geodesic_forward_op(query: Tensor, factors: Tensor, alpha: Tensor, bias: Tensor, key: Tensor, value: Tensor,
+                            allowed: Tensor | None, additive: Tensor | None, scale: float, block_m: int,
+                            block_n: int) -> tuple[Tensor, Tensor]:
+        """The fused forward: (output in the compute dtype (B, Hk, g, q, d), log-sum-exp (B, Hk, g, q))."""
+        return _forward(query, factors, alpha, bias, key, value, allowed, additive, scale, block_m, block_n)
+
+    @geodesic_forward_op.register_fake
+    def _(query, factors, alpha, bias, key, value, allowed, additive, scale, block_m, block_n):
+        return query.new_empty(query.shape), query.new_empty(query.shape[:-1])
+
+    @torch.library.custom_op(f"{OP_NAMESPACE}::geodesic_backward", mutates_args=())
+    def geodesic_backward_op(query: Tensor, factors: Tensor, alpha: Tensor, bias: Tensor, key: Tensor, value: Tensor,
+                             allowed: Tensor | None, additive: Tensor | None, out: Tensor, lse: Tensor,
+                             grad_out: Tensor, scale: float, block_m: int,
+                             block_n: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """The fused backward: gradients of query, factors, alpha, bias, key and value."""
+        return _backward(query, factors, alpha, bias, key, value, allowed, additive, out, lse, grad_out, scale,
+                         block_m, block_n)
+
+    @geodesic_backward_op.register_fake
+    def _(query, factors, alpha, bias, key, value, allowed, additive, out, lse, grad_out, scale, block_m, block_n):
+        return (query.new_empty(query.shape), factors.new_empty(factors.shape), alpha.new_empty(alpha.shape),
+                bias.new_empty(bias.shape), key.new_empty(key.shape), value.new_empty(value.shape))
+
+    def _setup_context(ctx, inputs, output):
+        query, factors, alpha, bias, key, value, allowed, additive, scale, block_m, block_n = inputs
+        out, lse = output
+        # saved: the inputs, the output and the log-sum-exp only; G_i q_i is rebuilt in the backward
         ctx.save_for_backward(query, factors, alpha, bias, key, value, allowed, additive, out, lse)
-        ctx.scale, ctx.tiles = scale, tiles
-        return out.to(value.dtype)
+        ctx.scale, ctx.tiles = scale, (block_m, block_n)
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        query, factors_in, alpha, bias, key, value, allowed, additive, out, lse = ctx.saved_tensors
-        scale = ctx.scale
-        gq, factors_s, half_alpha, lifted = _kernel_operands(query, factors_in, alpha, scale)
-        gq, factors_s, half_alpha = gq.contiguous(), factors_s.contiguous(), half_alpha.contiguous()
-        launch = _Launch(gq, factors_s, key, value, allowed, additive, ctx.tiles)
-        grad_out = grad_out.contiguous()
-        delta = (grad_out.to(out.dtype) * out).sum(-1)  # D_i = dO_i . O_i, (B, Hk, g, q)
-        d_key = torch.empty(key.shape, dtype=out.dtype, device=key.device)
-        d_value = torch.empty_like(d_key)
-        d_bias = torch.empty_like(bias)
-        ranges, has_ranges = launch.ranges(along_queries=False)
-        grid = (triton.cdiv(launch.kv_len, launch.block_n), launch.b * launch.hk)
-        args = (gq, factors_s, half_alpha, bias, key, value, launch.allowed, launch.additive)
-        meta = dict(BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, **launch.flags, num_warps=launch.num_warps)
-        _run(_geodesic_bwd_kv, grid, *args, ranges, lse, delta, grad_out, d_key, d_value, d_bias, *launch.scalars,
-             HAS_RANGES=has_ranges, **meta)
-        b, hk, g, q_len, d = gq.shape
-        r = factors_s.shape[4]
-        n_tiles = triton.cdiv(q_len, launch.block_m)
-        d_gq = torch.empty_like(gq)
-        d_factors = gq.new_empty((b, hk, g, q_len, r, d))  # per query head; a shared group's are summed below
-        d_half = gq.new_empty((b, hk, g, n_tiles))
-        ranges, has_ranges = launch.ranges(along_queries=True)
-        _run(_geodesic_bwd_q, (n_tiles, launch.grid_heads), *args, ranges, lse, delta, grad_out, d_gq, d_factors,
-             d_half, *launch.scalars, HAS_RANGES=has_ranges, **meta)
-        if factors_s.shape[2] == 1:
-            d_factors = d_factors.sum(2, keepdim=True)
-        d_query, d_factors, d_alpha = _operand_grads(query, factors_in, alpha, lifted, scale, d_gq, d_factors,
-                                                     d_half.sum(dim=(0, 3)))
-        return d_query, d_factors, d_alpha, d_bias, d_key.to(key.dtype), d_value.to(value.dtype), *(None,) * 4
+    def _autograd_backward(ctx, grad_out, grad_lse):
+        grads = geodesic_backward_op(*ctx.saved_tensors, grad_out, ctx.scale, *ctx.tiles)
+        return (*grads, None, None, None, None, None)
+
+    geodesic_forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
 def triton_geodesic_attention(
@@ -492,8 +533,10 @@ def triton_geodesic_attention(
     grouped_q, grouped_f, grouped_alpha, bias = prepare_geodesic_inputs(query, factors, key, alpha, gamma, scale)
     b, hk, g, q_len, d = grouped_q.shape
     mask = _kernel_mask(attention_mask, q_len, key.shape[2], hk, g, grouped_q.dtype)
-    out = _TritonGeodesicAttention.apply(grouped_q, grouped_f, grouped_alpha, bias, key, value, *mask, scale, tiles)
-    return out.view(b, hk * g, q_len, d)
+    block_m, block_n = tiles or _tiles(grouped_f.shape[4], key.dtype)
+    out, _ = geodesic_forward_op(grouped_q, grouped_f, grouped_alpha, bias, key, value, *mask, scale, block_m, block_n)
+    return out.to(value.dtype).view(b, hk * g, q_len, d)
 
 
-__all__ = ["KERNEL_DTYPES", "triton_available", "triton_geodesic_attention", "use_triton_kernel"]
+__all__ = ["KERNEL_DTYPES", "OP_NAMESPACE", "geodesic_backward_op", "geodesic_forward_op", "triton_available",
+           "triton_geodesic_attention", "use_triton_kernel"]

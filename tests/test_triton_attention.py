@@ -275,3 +275,55 @@ def test_benchmark_smoke_runs_and_checks_the_kernel(tmp_path):
                              str(out)], capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "| n |" in result.stdout and out.exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the kernels as custom operators (a compiled training step keeps them in its graph)
+# ---------------------------------------------------------------------------------------------------------------------
+def op_inputs(shared=True, mask=None, requires_grad=True):
+    """The forward operator's arguments for a small causal (or masked) case, float32, on the kernel's device."""
+    from modeling_fiber_bundle.fiber_attention import _kernel_mask, prepare_geodesic_inputs
+
+    query, factors, key, value, alpha, gamma = (x.to(DEVICE, torch.float32) for x in make_inputs(
+        b=1, h=4, hk=2, q=20, kv=20, d=16, r=2, hf=2 if shared else 4))
+    grouped = prepare_geodesic_inputs(query, factors, key, alpha, gamma, 0.3)
+    masks = _kernel_mask(mask, 20, 20, 2, 2, torch.float32)
+    tensors = [t.detach().requires_grad_(requires_grad) for t in (*grouped, key, value)]
+    return (*tensors, *masks, 0.3, 16, 16)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_kernel_operators_pass_torch_library_opcheck(masked):
+    """Schema, fake (meta) implementation, autograd registration and AOT dispatch of the forward operator, and the
+    backward operator's own schema and fake implementation (torch.library.opcheck)."""
+    mask = padding_bool_mask(1, 20, 20, pad=[3]).to(DEVICE) if masked else None
+    args = op_inputs(mask=mask)
+    torch.library.opcheck(triton_attention.geodesic_forward_op, args)
+    out, lse = triton_attention.geodesic_forward_op(*args)
+    grad = torch.randn_like(out)
+    backward_args = (*[a.detach() if isinstance(a, torch.Tensor) else a for a in args[:8]], out.detach(),
+                     lse.detach(), grad, *args[8:])
+    torch.library.opcheck(triton_attention.geodesic_backward_op, backward_args,
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_compiled_step_keeps_the_kernel_in_one_graph_with_the_blocked_paths_values():
+    """torch.compile(fullgraph=True) of the kernel's forward and backward: one graph (no break around the kernel), the
+    same output and gradients as the blocked path."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch.compiler.reset()
+    inputs = [x.to(DEVICE, torch.float32).requires_grad_(True) for x in make_inputs(b=1, h=4, hk=2, q=20, kv=20, d=16,
+                                                                                       r=2, hf=2)]
+
+    counter = CompileCounterWithBackend("inductor")
+    kernel = torch.compile(lambda *t: triton_geodesic_attention(*t, 0.3, None, 8, tiles=(16, 16)), fullgraph=True,
+                           backend=counter)
+    out = kernel(*inputs)
+    grads = torch.autograd.grad(out.pow(2).sum(), inputs)  # through the compiled backward (the backward operator)
+    ref = blocked_geodesic_attention(*inputs, 0.3, None, 8)
+    ref_grads = torch.autograd.grad(ref.pow(2).sum(), inputs)
+    assert counter.frame_count == 1
+    assert_near(out.cpu(), ref.cpu(), 1e-5, "output")
+    for name, grad, expected in zip(["query", "factors", "key", "value", "alpha", "gamma"], grads, ref_grads):
+        assert_near(grad.cpu(), expected.cpu(), 1e-4, name)
