@@ -61,7 +61,8 @@ def _scratch(args) -> int:
                                      model_fields={k: v for k, v in fields.items() if v is not None},
                                      max_steps=args.max_steps, batch_size=args.batch_size, block_size=args.block_size,
                                      eval_blocks=args.eval_blocks, eval_every=args.eval_every,
-                                     warmup_steps=args.warmup_steps, max_extensions=args.max_extensions)
+                                     warmup_steps=args.warmup_steps, max_extensions=args.max_extensions,
+                                     compile=args.compile)
     print(f"{results['budget']['tokens']:,} tokens per run, {len(results['seeds'])} seeds, held-out "
           f"{results['eval_blocks']} x {results['budget']['block_size']} bytes")
     for arm, row in results["summary"].items():
@@ -287,6 +288,9 @@ def analyze_parser() -> argparse.ArgumentParser:
     scratch.add_argument("--max-extensions", type=int, default=1,
                          help="grid steps the sweep may add beyond the grid's edge while the best rate lies there")
     scratch.add_argument("--max-steps", type=int, default=200, help="optimiser steps per run")
+    scratch.add_argument("--compile", action="store_true",
+                         help="train through torch.compile (transformers' torch_compile); the time per step leaves "
+                              "the compilation out and records it as compile_seconds")
     scratch.add_argument("--batch-size", type=int, default=16, help="blocks per step")
     scratch.add_argument("--block-size", type=int, default=128, help="bytes (tokens) per block")
     scratch.add_argument("--warmup-steps", type=int, default=10, help="linear warm-up steps before the linear decay")

@@ -15,11 +15,13 @@ written after every run; a rerun with the same settings continues where a stoppe
 """
 
 import math
+import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from transformers import TrainerCallback
 
 from .measures import summarise
 from .output import write_json
@@ -125,6 +127,28 @@ def measure_trained(model, eval_ids: torch.Tensor) -> dict:
     }
 
 
+class StepClock(TrainerCallback):
+    """A Trainer callback timing each optimiser step (forward, backward, optimiser), evaluations left out."""
+
+    def __init__(self):
+        self.seconds, self._start = [], None
+
+    def on_step_begin(self, *args, **kwargs):
+        self._start = time.perf_counter()
+
+    def on_step_end(self, *args, **kwargs):
+        self.seconds.append(time.perf_counter() - self._start)
+
+    def median(self) -> float | None:
+        """The median step after the first (which may compile), or the only one."""
+        steps = self.seconds[1:] or self.seconds
+        return statistics.median(steps) if steps else None
+
+    def first_step_excess(self) -> float:
+        """How much longer the first step took than the median one: the compilation, under torch.compile."""
+        return max(0.0, self.seconds[0] - self.median()) if len(self.seconds) > 1 else 0.0
+
+
 def run_scratch_comparison(
     output_dir: str | Path,
     *,
@@ -143,10 +167,13 @@ def run_scratch_comparison(
     max_extensions: int = 1,
     corpus_root: str | Path | None = None,
     progress: bool = True,
+    compile: bool = False,
 ) -> dict:
     """Sweep each arm's learning rate on ``seeds[0]`` (``learning_rates``, extended by up to ``max_extensions`` grid
     steps while the best rate lies at an edge), re-run the best on every seed; write ``scratch.json`` after every
-    run and ``scratch.png`` at the end. Returns the results (``summary``: per arm, the best rate's final held-out loss
+    run and ``scratch.png`` at the end. ``compile`` trains through ``torch.compile`` (transformers' ``torch_compile``);
+    a run's time per step then leaves out the compilation (its first step's excess over the median step, recorded as
+    ``compile_seconds``). Returns the results (``summary``: per arm, the best rate's final held-out loss
     mean ± std, its difference to the Euclidean arm paired by seed, time per step, residual per layer, ...)."""
     from tqdm.auto import tqdm
 
@@ -179,6 +206,7 @@ def run_scratch_comparison(
         "corpus": {"train_blocks": len(train_set), "eval_blocks_available": eval_blocks, "split_seed": 0,
                    **({"root": str(corpus_root)} if corpus_root is not None else {})},
         "threads": torch.get_num_threads(),
+        **({"compile": True} if compile else {}),  # absent when off: earlier comparisons continue unchanged
     }
     path = output_dir / "scratch.json"
     results = {**settings, "runs": []}
@@ -197,24 +225,27 @@ def run_scratch_comparison(
             if (done["arm"], done["learning_rate"], done["seed"]) == (arm, lr, seed):
                 return done
         model = fresh_model(configs[arm], seed)
+        clock = StepClock()
         with tempfile.TemporaryDirectory() as scratch:
             started = time.perf_counter()
             trainer = train_model(model, train_set, scratch, mode="full", max_steps=max_steps, batch_size=batch_size,
                                   learning_rate=lr, warmup_steps=warmup_steps, seed=seed, eval_dataset=eval_set,
                                   eval_strategy="steps", eval_steps=eval_every, logging_steps=eval_every,
-                                  probe_ids=probe_ids, quiet=True)
+                                  probe_ids=probe_ids, quiet=True, torch_compile=compile, callbacks=(clock,))
             seconds = time.perf_counter() - started
         history = trainer.state.log_history
         evals = [(log["step"], log["eval_loss"]) for log in history if "eval_loss" in log]
         eval_seconds = sum(log.get("eval_runtime", 0.0) for log in history if "eval_loss" in log)
         if not evals or evals[-1][0] != trainer.state.global_step:  # max_steps not a multiple of eval_every
             evals.append((trainer.state.global_step, trainer.evaluate()["eval_loss"]))
+        compile_seconds = clock.first_step_excess() if compile else 0.0
         final = evals[-1][1]
         finite = final is not None and math.isfinite(final)  # Trainer.evaluate gives nan for a diverged model
         record = {"arm": arm, "learning_rate": lr, "seed": seed, "eval_loss_after": final if finite else None,
                   "eval_curve": evals, "train_loss": [(log["step"], log["loss"]) for log in history if "loss" in log],
-                  "seconds_per_step": (seconds - eval_seconds) / max(1, trainer.state.global_step),
-                  "seconds": seconds, **(measure_trained(trainer.model, probe_ids) if finite else {})}
+                  "seconds_per_step": (seconds - eval_seconds - compile_seconds) / max(1, trainer.state.global_step),
+                  "step_seconds_median": clock.median(), "seconds": seconds,
+                  **({"compile_seconds": compile_seconds} if compile else {}), **(measure_trained(trainer.model, probe_ids) if finite else {})}
         results["runs"].append(record)
         write_json(path, results)
         return record

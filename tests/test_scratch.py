@@ -247,6 +247,7 @@ def test_scratch_comparison_runs_resumes_and_refuses_other_settings(tmp_path, mo
     first = runs[0]
     assert [step for step, _ in first["eval_curve"]] == [2, 3]  # every 2 steps and at the end
     assert first["eval_loss_after"] == first["eval_curve"][-1][1]
+    assert first["step_seconds_median"] > 0 and "compile_seconds" not in first and "compile" not in results
     assert len(first["residual_per_layer"]) == 3 and first["heads"] == 8
     euclid = [r for r in runs if r["arm"] == "euclidean"]
     strong = [r for r in runs if r["arm"] == "strong-10"]
@@ -283,3 +284,20 @@ def test_scratch_comparison_runs_resumes_and_refuses_other_settings(tmp_path, mo
     assert len(calls) == 1
     with pytest.raises(ValueError, match="holds a comparison with other settings"):
         scratch.run_scratch_comparison(tmp_path / "out", **{**settings, "max_steps": 4})
+
+
+@pytest.mark.heavy
+def test_scratch_comparison_compiled_leaves_the_compilation_out_of_the_time_per_step(tmp_path):
+    """`analyze scratch --compile`: each arm trains through torch.compile, the first step's compilation is recorded
+    apart, and the time per step is a compiled step's."""
+    from fiber_bundle.analysis import scratch
+
+    root = fake_stdlib(tmp_path / "lib", modules=30)
+    results = scratch.run_scratch_comparison(
+        tmp_path / "out", seeds=(0,), learning_rates=(1e-2,), arms=("euclidean", "strong-1"), strong=(1.0,),
+        model_fields=dict(TINY_SCRATCH), max_steps=4, batch_size=2, block_size=32, eval_blocks=4, eval_every=4,
+        warmup_steps=0, probe_blocks=2, corpus_root=root, progress=False, max_extensions=0, compile=True)
+    assert results["compile"] is True
+    for run in results["runs"]:
+        assert run["compile_seconds"] > 5 * run["step_seconds_median"]  # compiling takes far longer than a step
+        assert run["seconds_per_step"] < run["compile_seconds"] and math.isfinite(run["eval_loss_after"])

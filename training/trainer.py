@@ -34,7 +34,7 @@ def training_arguments(args=None, **fields) -> FiberBundleTrainingArguments:
     return FiberBundleTrainingArguments(**({"output_dir": str(args)} if args is not None else {}), **fields)
 
 
-def train_model(model, train_dataset, args=None, *, eval_dataset=None, probe_ids=None, **fields):
+def train_model(model, train_dataset, args=None, *, eval_dataset=None, probe_ids=None, callbacks=(), **fields):
     """Train ``model`` in ``args.mode`` on a dataset of fixed-length ``input_ids`` / ``labels`` blocks.
 
     Arguments:
@@ -45,6 +45,7 @@ def train_model(model, train_dataset, args=None, *, eval_dataset=None, probe_ids
             (``mode``, ``max_steps``, ``learning_rate``, ``batch_size``, ``optimizer``, ``save_steps``, ``bf16``, ...).
         probe_ids: a small fixed batch on which the geometry proxies are logged with the loss (default: the first
             training block).
+        callbacks: further ``transformers.TrainerCallback`` instances for the Trainer.
     Returns the Trainer after training (its ``model`` is what was trained, a PeftModel in "lora" mode). On SIGTERM it
     saves a checkpoint at the next step boundary and raises ``errors.TrainingStopped``. Checkpoints are written into
     ``output_dir/.staging`` and renamed into place when complete (``checkpoints.StagedCheckpointTrainer``);
@@ -52,6 +53,8 @@ def train_model(model, train_dataset, args=None, *, eval_dataset=None, probe_ids
     """
     trainer = build_trainer(model, train_dataset, training_arguments(args, **fields), eval_dataset=eval_dataset,
                             probe_ids=probe_ids)
+    for callback in callbacks:
+        trainer.add_callback(callback)
     trainer.train(resume_from_checkpoint=trainer.args.checkpoint_to_resume)
     return trainer
 
