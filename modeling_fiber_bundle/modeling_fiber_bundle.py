@@ -195,19 +195,9 @@ class FiberState(NamedTuple):
     attn_factors: torch.Tensor | None  # (B, Hf, n, r, d), spectral norm < 1
     alpha: torch.Tensor | None  # (H,)  alpha = exp(theta) - 1 >= GATE_FLOOR > -1
     gamma: torch.Tensor | None  # (H,)
-    ffn_factors: torch.Tensor | None  # (B, n, r_f, D), spectral norm < 1; None when the generator below is given
+    ffn_factors: torch.Tensor | None  # (B, n, r_f, D), spectral norm < 1 (built when no update is given)
     beta: torch.Tensor | None  # ()    beta = exp(phi) - 1 >= GATE_FLOOR > -1
-    # the MLP metric in the fibre code's coordinates (``woodbury_in_code``): the code z (B, n, m) and W_V, b; the factors
-    # V_i = ffn_factors_from_code(ffn_code, ffn_weight, ffn_bias, r_f) are then never built
-    ffn_code: torch.Tensor | None = None
-    ffn_weight: torch.Tensor | None = None
-    ffn_bias: torch.Tensor | None = None
-
-    def preconditioned(self, update: torch.Tensor) -> torch.Tensor:
-        """M_i^{-1} update (docs/design.md 1.3), from the factors or, without building them, from the code."""
-        if self.ffn_factors is not None:
-            return woodbury_precondition(update, self.ffn_factors, self.beta)
-        return woodbury_in_code(update, self.ffn_code, self.ffn_weight, self.ffn_bias, self.beta)
+    ffn_update: torch.Tensor | None = None  # M_i^{-1} update (B, n, D), when the forward was given the MLP's update
 
 
 class FiberBundleMetric(nn.Module):
@@ -240,37 +230,43 @@ class FiberBundleMetric(nn.Module):
             )
             self.ffn_gate = nn.Parameter(torch.zeros(()))  # phi
 
-    def forward(self, normed_hidden: torch.Tensor, part: str = "all") -> FiberState:
+    def forward(self, normed_hidden: torch.Tensor, part: str = "all", update: torch.Tensor | None = None) -> FiberState:
         """The layer's metric field: every token's factors and the gates, of ``part`` ("attention", "ffn" or "all"; None
-        for the other part and for a part whose rank is 0)."""
+        for the other part and for a part whose rank is 0). Given the MLP's ``update`` (B, n, D), the MLP part is the
+        preconditioned step M_i^{-1} update (``ffn_update``, docs/design.md 1.3) instead of the factors: computed here,
+        while wrappers that hold this module's weights only during its forward (accelerate's offload hooks, FSDP) hold
+        them, in the code's coordinates where ``ffn_step_in_code`` says so (the factors are then never built)."""
         b, n, _ = normed_hidden.shape
         if self.code_proj.weight.is_floating_point():  # kept in float32 under a float16 load (_keep_in_fp32_modules)
             normed_hidden = normed_hidden.to(self.code_proj.weight.dtype)
         code = self.code_act(self.code_proj(normed_hidden))  # z: (B, n, m)
-        attn_factors = alpha = gamma = ffn_factors = beta = None
+        attn_factors = alpha = gamma = ffn_factors = beta = ffn_update = None
         if self.metric_rank > 0 and part != "ffn":
             # -1: the factor heads this module computes (all of them, or this rank's under tensor parallelism)
             raw = self.attn_factor_proj(code).view(b, n, -1, self.metric_rank, self.head_dim)
             attn_factors = bounded_factors(raw.transpose(1, 2))  # (B, Hf, n, r, d)
             alpha = metric_gate(self.attn_gate)
             gamma = self.flatness_gate
-        generator = {}
         if self.ffn_metric_rank > 0 and part != "attention":
             beta = metric_gate(self.ffn_gate)
-            if self.ffn_step_in_code():
+            if update is not None and self.ffn_step_in_code():
                 proj = self.ffn_factor_proj
-                generator = dict(ffn_code=code, ffn_weight=proj.weight, ffn_bias=proj.bias)
+                ffn_update = woodbury_in_code(update, code, proj.weight, proj.bias, beta)
             else:
                 raw = self.ffn_factor_proj(code).view(b, n, self.ffn_metric_rank, self.hidden_size)
                 ffn_factors = bounded_factors(raw)  # (B, n, r_f, D)
-        return FiberState(attn_factors, alpha, gamma, ffn_factors, beta, **generator)
+                if update is not None:
+                    ffn_update = woodbury_precondition(update, ffn_factors, beta)
+        return FiberState(attn_factors, alpha, gamma, ffn_factors, beta, ffn_update)
 
     def ffn_step_in_code(self) -> bool:
-        """Whether the MLP step runs in the fibre code's coordinates (``woodbury_in_code``) rather than on built factors:
-        for a plain Linear W_V (a wrapped one, a LoRA layer say, makes its factors with its own forward) when
-        r_f m <= D. Why that bound: the code route's work and memory per token grow as r_f (r_f + 1) m / 2 + 2 r_f m,
-        the factors' as a few r_f D."""
-        return (self.ffn_metric_rank > 0 and type(self.ffn_factor_proj) is nn.Linear
+        """Whether the MLP step runs in the fibre code's coordinates (``woodbury_in_code``, which reads W_V's weight and
+        bias) rather than on factors made by W_V's own forward: for a plain Linear whose weights are here (not one
+        wrapped by a LoRA layer or FSDP, nor one whose weights accelerate brings in only for its own forward, as disk
+        offload does) when r_f m <= D. Why that bound: the code route's work and memory per token grow as
+        r_f (r_f + 1) m / 2 + 2 r_f m, the factors' as a few r_f D."""
+        proj = getattr(self, "ffn_factor_proj", None)
+        return (type(proj) is nn.Linear and getattr(proj, "_hf_hook", None) is None and not proj.weight.is_meta
                 and self.ffn_metric_rank * self.code_proj.out_features <= self.hidden_size)
 
 
@@ -466,39 +462,35 @@ class FiberBundleDecoderLayer(GradientCheckpointingLayer):
             self.fiber = FiberBundleMetric(config)
 
     def fiber_state(self, normed: torch.Tensor) -> FiberState | None:
-        """This layer's metric field, built once per forward for attention and MLP; None for a layer without ``fiber``.
+        """The attention part of this layer's metric field (the MLP part is ``precondition``'s); None for a layer
+        without ``fiber``.
 
-        In training with ``config.geometry_recompute`` the attention part is checkpointed as a whole: the backward
-        keeps only its input and recomputes the O(n d r) intermediates (code, raw factors, bounded map) there; the MLP
-        part is then built by ``precondition``."""
+        In training with ``config.geometry_recompute`` it is checkpointed as a whole: the backward keeps only its input
+        and recomputes the O(n d r) intermediates (code, raw factors, bounded map) there."""
         fiber = getattr(self, "fiber", None)
         if fiber is None:
             return None
+        if self.config.metric_rank == 0:
+            return FiberState(None, None, None, None, None)
         if self._recomputes():
-            if self.config.metric_rank == 0:
-                return FiberState(None, None, None, None, None)
             return torch.utils.checkpoint.checkpoint(fiber, normed, "attention", use_reentrant=False)
-        return fiber(normed)
+        return fiber(normed, "attention")
 
     def _recomputes(self) -> bool:
         """Whether the metric's intermediates are recomputed in the backward (training with ``geometry_recompute``)."""
         return self.config.geometry_recompute and torch.is_grad_enabled()
 
-    def precondition(self, normed: torch.Tensor, update: torch.Tensor, state: FiberState) -> torch.Tensor:
-        """The metric-preconditioned step M_i^{-1} update (docs/design.md 1.3), Woodbury inverse, never D x D.
+    def precondition(self, normed: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+        """The metric-preconditioned step M_i^{-1} update (docs/design.md 1.3), Woodbury inverse, never D x D, computed
+        by the fibre module from the layer's normalised input (the code the attention's metric reads).
 
-        When recomputing, the state holds the attention part only and the MLP part is built here: in the code's
-        coordinates (``woodbury_in_code``) it keeps nothing of size r_f D per token, so it needs no checkpoint; a
-        wrapped generator's factors (n, r_f, D) are checkpointed with the step instead."""
-        if state.beta is not None:
-            return state.preconditioned(update)
-        if self.fiber.ffn_step_in_code():  # (a PEFT wrapper of ``fiber`` answers for the copy it runs)
-            return self.fiber(normed, "ffn").preconditioned(update)
-
-        def step(normed, update):
-            return self.fiber(normed, "ffn").preconditioned(update)
-
-        return torch.utils.checkpoint.checkpoint(step, normed, update, use_reentrant=False)
+        In the code's coordinates it keeps nothing of size r_f D per token; a step that builds its (n, r_f, D) factors
+        is checkpointed with them when recomputing, since they would be most of the metric's saved activations."""
+        # (a PEFT wrapper of ``fiber`` answers ffn_step_in_code for the copy it runs)
+        if self._recomputes() and not self.fiber.ffn_step_in_code():
+            return torch.utils.checkpoint.checkpoint(lambda n, u: self.fiber(n, "ffn", u).ffn_update, normed, update,
+                                                     use_reentrant=False)
+        return self.fiber(normed, "ffn", update).ffn_update
 
     def forward(
         self,
@@ -536,7 +528,7 @@ class FiberBundleDecoderLayer(GradientCheckpointingLayer):
         residual = hidden_states
         update = self.mlp(self.post_attention_layernorm(hidden_states))
         if state is not None and self.config.ffn_metric_rank > 0:  # x <- x + M^{-1} MLP(RMSNorm(x))
-            update = self.precondition(normed, update, state)
+            update = self.precondition(normed, update)
         hidden_states = residual + update
         return hidden_states, attn_weights, geometry
 

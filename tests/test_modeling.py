@@ -9,7 +9,7 @@ from transformers import AutoModel, AutoModelForCausalLM, CompileConfig, LlamaCo
 from helpers import FLEX_KERNEL, SOURCE_FAMILIES, TINY, geometry_step_change, random_ids, set_gates, tiny_config, tiny_model
 from modeling_fiber_bundle import FiberBundleConfig, FiberBundleForCausalLM, FiberBundleModel
 from modeling_fiber_bundle import modeling_fiber_bundle as modeling
-from modeling_fiber_bundle.fiber_attention import ffn_factors_from_code, metric_gram, reference_geodesic_attention
+from modeling_fiber_bundle.fiber_attention import metric_gram, reference_geodesic_attention
 
 F64 = torch.float64
 BACKBONE_KEYS = {k: v for k, v in TINY.items() if k not in ("pad_token_id",)}
@@ -510,24 +510,25 @@ def test_metric_is_spd_in_every_dtype_and_rope_type(monkeypatch, dtype, rope, ff
     seen = []
     rotate = modeling.rotate_factors
     monkeypatch.setattr(modeling, "rotate_factors", lambda f, c, s: seen.append(rotate(f, c, s)) or seen[-1])
-    states = []
+    calls = []
     metric_forward = modeling.FiberBundleMetric.forward
     monkeypatch.setattr(modeling.FiberBundleMetric, "forward",
-                        lambda self, *a: states.append(metric_forward(self, *a)) or states[-1])
+                        lambda self, *a: calls.append((self, a, metric_forward(self, *a))) or calls[-1][2])
     with torch.no_grad():
         logits = model(random_ids(2, 40)).logits
-    assert torch.isfinite(logits).all() and len(seen) == len(states) == TINY["num_hidden_layers"]
-    for factors, state in zip(seen, states):
+    attention = [state for _, args, state in calls if args[1] == "attention"]
+    ffn = [(module, args, state) for module, args, state in calls if args[1] == "ffn"]
+    assert torch.isfinite(logits).all() and len(seen) == len(attention) == len(ffn) == TINY["num_hidden_layers"]
+    for factors, state in zip(seen, attention):
         assert factors.dtype != torch.bfloat16 and factors.dtype != torch.float16  # computed in at least fp32
         sigma_sq = torch.linalg.eigvalsh(metric_gram(factors.double())).amax(-1)  # (B, Hk, n): ||U_i||_2^2
         alpha = state.alpha.double().view(1, factors.shape[1], -1, 1)  # (1, Hk, g, 1): the heads sharing U_i
         assert (1.0 + alpha * sigma_sq[:, :, None]).min() > 0  # G's smallest eigenvalue, from the kernel's values
-        ffn_factors = state.ffn_factors
-        if ffn_factors is None:  # the step in the code's coordinates: the factors it stands for
-            ffn_factors = ffn_factors_from_code(state.ffn_code, state.ffn_weight, state.ffn_bias,
-                                                model.config.ffn_metric_rank)
-        ffn_factors = ffn_factors.double()
-        v_sq = torch.linalg.eigvalsh(metric_gram(ffn_factors)).amax(-1)
+    for module, (normed, _, update), state in ffn:
+        assert torch.isfinite(state.ffn_update).all() and state.ffn_update.dtype == update.dtype
+        with torch.no_grad():
+            factors = metric_forward(module, normed, "ffn").ffn_factors  # the factors the step used, or stands for
+        v_sq = torch.linalg.eigvalsh(metric_gram(factors.double())).amax(-1)
         assert (1.0 + state.beta.double() * v_sq).min() > 0  # M_i's smallest eigenvalue
 
 
