@@ -224,6 +224,10 @@ def run_scratch_comparison(
         for done in results["runs"]:
             if (done["arm"], done["learning_rate"], done["seed"]) == (arm, lr, seed):
                 return done
+        if compile:  # each run compiles its own model afresh: a model of another shape after the first would be
+            # compiled with dynamic shapes (an inductor error in torch 2.13 on the CPU), and after 8 models torch's
+            # recompile limit would silently fall back to eager
+            torch.compiler.reset()
         model = fresh_model(configs[arm], seed)
         clock = StepClock()
         with tempfile.TemporaryDirectory() as scratch:

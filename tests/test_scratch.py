@@ -287,10 +287,12 @@ def test_scratch_comparison_runs_resumes_and_refuses_other_settings(tmp_path, mo
 
 
 @pytest.mark.heavy
-def test_scratch_comparison_compiled_leaves_the_compilation_out_of_the_time_per_step(tmp_path):
-    """`analyze scratch --compile`: each arm trains through torch.compile, the first step's compilation is recorded
-    apart, and the time per step is a compiled step's."""
+def test_scratch_comparison_compiled_leaves_the_compilation_out_of_the_time_per_step(tmp_path, monkeypatch):
+    """`analyze scratch --compile`: each arm (two shapes: the twin's MLP is wider) trains through torch.compile, the
+    first step's compilation is recorded apart, and the time per step is a compiled step's."""
     from fiber_bundle.analysis import scratch
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # a cold compile, whatever ran before
 
     root = fake_stdlib(tmp_path / "lib", modules=30)
     results = scratch.run_scratch_comparison(
