@@ -610,11 +610,22 @@ def gram_entries(v: torch.Tensor) -> torch.Tensor:
     Why not a matmul: per token this is an (r x D) @ (D x r) product, which batched matmul runs far below its speed;
     one entry at a time keeps the temporaries at O(D) per token (a broadcast product would hold r^2 D)."""
     r = v.shape[-2]
-    entries = {}
-    for i in range(r):
-        for j in range(i + 1):
-            entries[i, j] = entries[j, i] = (v[..., i, :] * v[..., j, :]).sum(-1)  # (...)
-    return torch.stack([torch.stack([entries[i, j] for j in range(r)], dim=-1) for i in range(r)], dim=-2)
+    return symmetric_from_lower({(i, j): (v[..., i, :] * v[..., j, :]).sum(-1) for i in range(r) for j in range(i + 1)},
+                                r)
+
+
+def symmetric_from_lower(lower: dict, r: int) -> torch.Tensor:
+    """The symmetric (..., r, r) matrix whose entry (i, j), i >= j, is ``lower[i, j]`` (each of shape (...))."""
+    entry = lambda i, j: lower[max(i, j), min(i, j)]  # noqa: E731
+    return torch.stack([torch.stack([entry(i, j) for j in range(r)], dim=-1) for i in range(r)], dim=-2)
+
+
+def spd_solve(system: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    """x = system^{-1} rhs for a batch of r x r SPD systems (..., r, r), rhs (..., r): unrolled for r up to
+    ``UNROLLED_SOLVE_MAX_RANK``, else Cholesky by LAPACK (half the ops of a general LU solve)."""
+    if system.shape[-1] <= UNROLLED_SOLVE_MAX_RANK:
+        return small_spd_solve(system, rhs)
+    return torch.cholesky_solve(rhs.unsqueeze(-1), torch.linalg.cholesky_ex(system)[0]).squeeze(-1)
 
 
 def small_spd_solve(system: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
@@ -667,12 +678,8 @@ def woodbury_precondition(update: torch.Tensor, factors: torch.Tensor, beta: tor
     # matmul runs far below its speed; a multiply and a sum over D stream through memory once.
     coords = (v * y.unsqueeze(-2)).sum(-1)  # V^T y: (..., r)
     eye = torch.eye(r, dtype=compute, device=v.device)
-    if r <= UNROLLED_SOLVE_MAX_RANK:
-        system = torch.addcmul(eye, beta, gram_entries(v))  # I + beta V^T V: SPD since beta > -1 and ||V||_2 < 1
-        solved = small_spd_solve(system, coords)  # (..., r)
-    else:  # Cholesky by LAPACK: the system is SPD by construction, and factor-and-solve is half the ops of an LU solve
-        system = torch.addcmul(eye, beta, metric_gram(v))
-        solved = torch.cholesky_solve(coords.unsqueeze(-1), torch.linalg.cholesky_ex(system)[0]).squeeze(-1)
+    system = torch.addcmul(eye, beta, gram_entries(v))  # I + beta V^T V: SPD since beta > -1 and ||V||_2 < 1
+    solved = spd_solve(system, coords)  # (..., r)
     correction = (solved.unsqueeze(-1) * v).sum(-2)  # V (.)^{-1} V^T y: (..., D)
     return torch.addcmul(y, beta, correction, value=-1.0).to(update.dtype)  # y - beta V (.)^{-1} V^T y
 
@@ -719,19 +726,14 @@ def woodbury_in_code(update, code, weight, bias, beta) -> torch.Tensor:
     count = len(pairs)
     lower = (quad[..., : count * m].view(*lead, count, m) * z.unsqueeze(-2)).sum(-1) + quad[..., count * m :]
     lower = lower + torch.stack([b[a] @ b[c] for a, c in pairs])  # raw_a . raw_c for the P pairs: (..., P)
-    entry = {}
-    for p, (a, c) in enumerate(pairs):
-        entry[a, c] = entry[c, a] = lower[..., p]
-    gram = torch.stack([torch.stack([entry[a, c] for c in range(r)], dim=-1) for a in range(r)], dim=-2)  # (.., r, r)
+    entry = {pair: lower[..., p] for p, pair in enumerate(pairs)}
+    gram = symmetric_from_lower(entry, r)  # raw^T raw: (..., r, r)
     # the bounded map's s^2 = 1 / (1 + ||raw||_F^2), ||raw||_F^2 = trace(raw^T raw) (a rounding below 0 is cut off)
     trace = sum(entry[a, a].clamp_min(0) for a in range(r)).unsqueeze(-1)
     s2 = torch.reciprocal(1.0 + trace)  # (..., 1)
     eye = torch.eye(r, dtype=compute, device=y.device)
     system = torch.addcmul(eye, (beta.to(compute) * s2).unsqueeze(-1), gram)  # I + beta V^T V: SPD
-    if r <= UNROLLED_SOLVE_MAX_RANK:
-        solved = small_spd_solve(system, coords * s2)  # (I + beta V^T V)^{-1} V^T y, times s: (..., r)
-    else:
-        solved = torch.cholesky_solve((coords * s2).unsqueeze(-1), torch.linalg.cholesky_ex(system)[0]).squeeze(-1)
+    solved = spd_solve(system, coords * s2)  # (I + beta V^T V)^{-1} V^T y, times s: (..., r)
     # V (.) = s raw (.) = raw (s (.)): (..., r m + r) @ (r m + r, D)
     spread = torch.cat(((solved.unsqueeze(-1) * z.unsqueeze(-2)).reshape(*lead, r * m), solved), dim=-1)
     correction = torch.matmul(spread, torch.cat((w.transpose(1, 2).reshape(r * m, dim), b), dim=0))
