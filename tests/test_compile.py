@@ -123,3 +123,74 @@ def test_train_command_with_torch_compile_compiles_without_a_graph_break(tmp_pat
     assert after < before
     assert counters["stats"]["unique_graphs"] >= 1, "the Trainer did not compile the model"
     assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_design_properties_hold_on_the_compiled_path():
+    """docs/design.md's bold properties that compilation could break, through one compiled training graph (compiled
+    once: inductor takes parameters as inputs, so changing their values reuses it): **the converted model's logits equal
+    the source model's**; a left-padded row equals the same tokens unpadded, and a query with no allowed key gives no
+    NaN; the linear gates carry gradient at the graft and **one optimiser step on a converted model must change its
+    logits**; **the gradient with respect to U at U = 0 is exactly zero**; and **SPD holds in every dtype** for the
+    compiled MLP step in the code's coordinates (bfloat16, the smallest gate, raw factors of scale 1e4)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from helpers import TINY
+    from modeling_fiber_bundle.fiber_attention import metric_gate, woodbury_in_code
+
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    source = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in TINY.items() if k != "pad_token_id"})).float().eval()
+    model = tiny_model(seed=1, dtype=torch.float32, metric_hidden=16).train()
+    missing, unexpected = model.load_state_dict(source.state_dict(), strict=False)
+    assert not unexpected and missing and all(".fiber." in k for k in missing)
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(model, fullgraph=True, backend=counter)
+
+    pad = 5  # row 1 holds row 0's first LENGTH - pad tokens after `pad` left-padding positions
+    ids = random_ids(2, LENGTH)
+    ids[1, pad:] = ids[0, :LENGTH - pad]
+    ids[1, :pad] = TINY["pad_token_id"]
+    mask = torch.ones_like(ids)
+    mask[1, :pad] = 0
+    inputs = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+
+    def forward_backward():
+        model.zero_grad(set_to_none=True)
+        out = compiled(**inputs)
+        out.loss.backward()
+        logits = out.logits.detach()
+        assert torch.isfinite(logits).all()
+        torch.testing.assert_close(logits[1, pad:], logits[0, :LENGTH - pad], rtol=1e-5, atol=1e-5)
+        return logits
+
+    # the graft: the source's logits, and gradient in every gate
+    logits = forward_backward()
+    with torch.no_grad():
+        expected = source(ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(logits[real], expected[real], rtol=1e-5, atol=1e-5)
+    fiber = model.model.layers[0].fiber
+    for gate in (fiber.attn_gate, fiber.flatness_gate, fiber.ffn_gate):
+        assert gate.grad is not None and gate.grad.abs().sum() > 0
+    # one AdamW step on the geometry alone moves the compiled model's logits off the source's
+    torch.optim.AdamW(model.geometry_parameters(), lr=1e-2).step()
+    assert (forward_backward() - logits).abs().max() > 1e-5  # 100x float32 rounding of these logits
+
+    # awake, with layer 0's attention factors at U = 0: the saddle, exactly, through inductor's fused backward
+    set_gates(model)
+    with torch.no_grad():
+        fiber.attn_factor_proj.weight.zero_()
+        fiber.attn_factor_proj.bias.zero_()
+    forward_backward()
+    assert torch.equal(fiber.attn_factor_proj.weight.grad, torch.zeros_like(fiber.attn_factor_proj.weight))
+    assert model.model.layers[1].fiber.attn_factor_proj.weight.grad.abs().max() > 0  # the other layer's is not zero
+    assert counter.frame_count == 1, f"{counter.frame_count} graphs: changing parameter values recompiled"
+
+    # the compiled MLP step in bfloat16 at the smallest gate, from raw factors of scale 1e4: finite
+    gen = torch.Generator().manual_seed(3)
+    update = torch.randn(4, 8, 9, 8, generator=gen).bfloat16()
+    code = torch.randn(4, 8, 9, 5, generator=gen).bfloat16()
+    weight, bias = (1e4 * torch.randn(3 * 8, 5, generator=gen)).bfloat16(), (1e4 * torch.randn(3 * 8, generator=gen)).bfloat16()
+    out = torch.compile(woodbury_in_code, fullgraph=True)(update, code, weight, bias,
+                                                         metric_gate(torch.tensor(-20.0, dtype=torch.bfloat16)))
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
