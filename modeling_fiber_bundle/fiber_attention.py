@@ -684,62 +684,6 @@ def woodbury_precondition(update: torch.Tensor, factors: torch.Tensor, beta: tor
     return torch.addcmul(y, beta, correction, value=-1.0).to(update.dtype)  # y - beta V (.)^{-1} V^T y
 
 
-def ffn_factors_from_code(code: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, rank: int) -> torch.Tensor:
-    """The MLP metric's bounded factors V_i (..., r_f, D), r_f = ``rank``, from the fibre code z (..., m) and the
-    generator W_V (r_f D, m), b (r_f D,): bounded_factors(reshape(W_V z + b)). What ``woodbury_in_code`` never builds."""
-    raw = torch.nn.functional.linear(code, weight, bias)  # (..., r_f D)
-    return bounded_factors(raw.view(*code.shape[:-1], rank, -1))
-
-
-def woodbury_in_code(update, code, weight, bias, beta) -> torch.Tensor:
-    """``woodbury_precondition(update, ffn_factors_from_code(code, weight, bias), beta)`` without building the factors.
-
-    update y (..., D); code z (..., m); weight W_V (r_f D, m) laid out (r_f, D) by rows, bias b (r_f D,); beta scalar.
-    With raw_a = W_a z + b_a (W_a the a-th (D, m) block) and s^2 = 1 / (1 + ||raw||_F^2) (the bounded map), V = s raw,
-    so V^T y = s raw^T y, V^T V = s^2 raw^T raw and V x = s raw x; every raw product is taken in the code's coordinates:
-        raw_a . y     = z . (W_a^T y) + b_a . y                                   ((..., D) @ (D, r_f m + r_f))
-        raw_a . raw_b = z^T (W_a^T W_b) z + z . (W_a^T b_b + W_b^T b_a) + b_a . b_b  (W_a^T W_b: m x m, once per call)
-        raw x         = W (x (x) z) + b x                                         ((..., r_f m + r_f) @ (., D))
-    Why: the (..., r_f, D) factors, their bounded map and the products over D were most of the MLP metric's cost and
-    memory (forward and backward); here three matmuls of width r_f (m + 1) carry it, nothing of size r_f D per token is
-    stored, and the r_f x r_f system is solved elementwise (``small_spd_solve``) for small r_f.
-    """
-    compute = compute_dtype(update.dtype, code.dtype, weight.dtype)
-    y, z = update.to(compute), code.to(compute)
-    dim, m = y.shape[-1], z.shape[-1]
-    r = weight.shape[0] // dim
-    w = weight.to(compute).view(r, dim, m)  # W_a: (D, m) per factor row a
-    b = bias.to(compute).view(r, dim)
-    lead = y.shape[:-1]
-    # raw^T y: (..., D) @ (D, r m + r) -> (..., r, m) contracted with z, plus b_a . y
-    to_code = torch.cat((w.transpose(0, 1).reshape(dim, r * m), b.transpose(0, 1)), dim=1)  # (D, r m + r)
-    proj = torch.matmul(y, to_code)
-    coords = (proj[..., : r * m].view(*lead, r, m) * z.unsqueeze(-2)).sum(-1) + proj[..., r * m :]  # (..., r)
-    # raw^T raw from its lower triangle: the m x m blocks W_a^T W_b (a >= b) and cross terms W_a^T b_b + W_b^T b_a, each
-    # once per call, then one (..., m) @ (m, P m + P) product, P = r (r + 1) / 2 pairs
-    pairs = [(a, c) for a in range(r) for c in range(a + 1)]  # the P pairs (a, c), a >= c
-    # (from slices, not a gather with repeated indices such as w[[0, 1, 1]]: its backward compiled by inductor (torch
-    # 2.13, CPU) corrupted the heap)
-    blocks = torch.cat([w[a].transpose(0, 1) @ w[c] for a, c in pairs], dim=1)  # W_a^T W_c: (m, P m)
-    cross = torch.stack([w[a].transpose(0, 1) @ b[c] + w[c].transpose(0, 1) @ b[a] for a, c in pairs], dim=1)  # (m, P)
-    quad = torch.matmul(z, torch.cat((blocks, cross), dim=1))  # (..., P m + P)
-    count = len(pairs)
-    lower = (quad[..., : count * m].view(*lead, count, m) * z.unsqueeze(-2)).sum(-1) + quad[..., count * m :]
-    lower = lower + torch.stack([b[a] @ b[c] for a, c in pairs])  # raw_a . raw_c for the P pairs: (..., P)
-    entry = {pair: lower[..., p] for p, pair in enumerate(pairs)}
-    gram = symmetric_from_lower(entry, r)  # raw^T raw: (..., r, r)
-    # the bounded map's s^2 = 1 / (1 + ||raw||_F^2), ||raw||_F^2 = trace(raw^T raw) (a rounding below 0 is cut off)
-    trace = sum(entry[a, a].clamp_min(0) for a in range(r)).unsqueeze(-1)
-    s2 = torch.reciprocal(1.0 + trace)  # (..., 1)
-    eye = torch.eye(r, dtype=compute, device=y.device)
-    system = torch.addcmul(eye, (beta.to(compute) * s2).unsqueeze(-1), gram)  # I + beta V^T V: SPD
-    solved = spd_solve(system, coords * s2)  # (I + beta V^T V)^{-1} V^T y, times s: (..., r)
-    # V (.) = s raw (.) = raw (s (.)): (..., r m + r) @ (r m + r, D)
-    spread = torch.cat(((solved.unsqueeze(-1) * z.unsqueeze(-2)).reshape(*lead, r * m), solved), dim=-1)
-    correction = torch.matmul(spread, torch.cat((w.transpose(1, 2).reshape(r * m, dim), b), dim=0))
-    return torch.addcmul(y, beta.to(compute), correction, value=-1.0).to(update.dtype)
-
-
 # --------------------------------------------------------------------------------------------------------------------
 # Connection observables (docs/design.md 1.4), all from r x r Gram matrices
 # --------------------------------------------------------------------------------------------------------------------

@@ -57,7 +57,6 @@ from .fiber_attention import (
     reference_geodesic_attention,
     rotate_factors,
     torsion_proxy,
-    woodbury_in_code,
     woodbury_precondition,
     zero_empty_rows,
 )
@@ -235,7 +234,7 @@ class FiberBundleMetric(nn.Module):
         for the other part and for a part whose rank is 0). Given the MLP's ``update`` (B, n, D), the MLP part is the
         preconditioned step M_i^{-1} update (``ffn_update``, docs/design.md 1.3) instead of the factors: computed here,
         while wrappers that hold this module's weights only during its forward (accelerate's offload hooks, FSDP) hold
-        them, in the code's coordinates where ``ffn_step_in_code`` says so (the factors are then never built)."""
+        them."""
         b, n, _ = normed_hidden.shape
         if self.code_proj.weight.is_floating_point():  # kept in float32 under a float16 load (_keep_in_fp32_modules)
             normed_hidden = normed_hidden.to(self.code_proj.weight.dtype)
@@ -249,25 +248,11 @@ class FiberBundleMetric(nn.Module):
             gamma = self.flatness_gate
         if self.ffn_metric_rank > 0 and part != "attention":
             beta = metric_gate(self.ffn_gate)
-            if update is not None and self.ffn_step_in_code():
-                proj = self.ffn_factor_proj
-                ffn_update = woodbury_in_code(update, code, proj.weight, proj.bias, beta)
-            else:
-                raw = self.ffn_factor_proj(code).view(b, n, self.ffn_metric_rank, self.hidden_size)
-                ffn_factors = bounded_factors(raw)  # (B, n, r_f, D)
-                if update is not None:
-                    ffn_update = woodbury_precondition(update, ffn_factors, beta)
+            raw = self.ffn_factor_proj(code).view(b, n, self.ffn_metric_rank, self.hidden_size)
+            ffn_factors = bounded_factors(raw)  # (B, n, r_f, D)
+            if update is not None:
+                ffn_update = woodbury_precondition(update, ffn_factors, beta)
         return FiberState(attn_factors, alpha, gamma, ffn_factors, beta, ffn_update)
-
-    def ffn_step_in_code(self) -> bool:
-        """Whether the MLP step runs in the fibre code's coordinates (``woodbury_in_code``, which reads W_V's weight and
-        bias) rather than on factors made by W_V's own forward: for a plain Linear whose weights are here (not one
-        wrapped by a LoRA layer or FSDP, nor one whose weights accelerate brings in only for its own forward, as disk
-        offload does) when r_f m <= D. Why that bound: the code route's work and memory per token grow as
-        r_f (r_f + 1) m / 2 + 2 r_f m, the factors' as a few r_f D."""
-        proj = getattr(self, "ffn_factor_proj", None)
-        return (type(proj) is nn.Linear and getattr(proj, "_hf_hook", None) is None and not proj.weight.is_meta
-                and self.ffn_metric_rank * self.code_proj.out_features <= self.hidden_size)
 
 
 def expand_factors(factors: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -484,10 +469,8 @@ class FiberBundleDecoderLayer(GradientCheckpointingLayer):
         """The metric-preconditioned step M_i^{-1} update (docs/design.md 1.3), Woodbury inverse, never D x D, computed
         by the fibre module from the layer's normalised input (the code the attention's metric reads).
 
-        Checkpointed when recomputing: the backward keeps only ``normed`` and ``update``. Why, in the code's coordinates
-        too: that route saves no (n, r_f, D) factors, but its own intermediates (the update, the correction, the code's
-        products) add about 2 D + 3 r_f m floats per token, which took peak forward+backward memory of SmolLM2's shape
-        at n = 2048 from 1.12x to 1.21x the backbone's; recomputing three small matmuls costs less than that."""
+        Checkpointed with its factors when recomputing: the backward keeps only ``normed`` and ``update``, since the
+        (n, r_f, D) factors and the step's intermediates would be most of the metric's saved activations."""
         if self._recomputes():
             return torch.utils.checkpoint.checkpoint(lambda n, u: self.fiber(n, "ffn", u).ffn_update, normed, update,
                                                      use_reentrant=False)

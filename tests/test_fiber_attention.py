@@ -17,7 +17,6 @@ from modeling_fiber_bundle.fiber_attention import (
     curvature_proxy,
     rotate_factors,
     dense_metric,
-    ffn_factors_from_code,
     geodesic_scores_reference,
     metric_gate,
     metric_gram,
@@ -25,7 +24,6 @@ from modeling_fiber_bundle.fiber_attention import (
     reference_geodesic_attention,
     small_spd_solve,
     torsion_proxy,
-    woodbury_in_code,
     woodbury_precondition,
 )
 
@@ -99,12 +97,6 @@ def test_metric_is_spd_for_every_input_in_every_dtype(dtype, raw_scale):
     # the MLP step's r x r Woodbury system at beta = expm1(-20): solvable, finite, in every dtype
     update = torch.randn(4, 8, 9, 8, generator=gen, dtype=F64).to(dtype)
     out = woodbury_precondition(update, factors, metric_gate(torch.tensor(-20.0, dtype=dtype)))
-    assert out.dtype == dtype and torch.isfinite(out).all()
-    # and in the code's coordinates, from a generator whose raw factors have the same scale
-    code = torch.randn(4, 8, 9, 5, generator=gen, dtype=F64).to(dtype)
-    weight = (raw_scale * torch.randn(3 * 8, 5, generator=gen, dtype=F64)).to(dtype)
-    bias = (raw_scale * torch.randn(3 * 8, generator=gen, dtype=F64)).to(dtype)
-    out = woodbury_in_code(update, code, weight, bias, metric_gate(torch.tensor(-20.0, dtype=dtype)))
     assert out.dtype == dtype and torch.isfinite(out).all()
 
 
@@ -410,55 +402,6 @@ def test_small_spd_solve_equals_lapack(r):
     sym = lambda m: 0.5 * (m + m.transpose(-1, -2))  # noqa: E731  the function of a symmetric input, both ways
     torch.autograd.gradcheck(lambda m, b: small_spd_solve(sym(m), b), (system[:3].clone().requires_grad_(),
                                                                         rhs[:3].clone().requires_grad_()))
-
-
-@pytest.mark.parametrize("r", [1, 2, 3, 5])  # 5: above UNROLLED_SOLVE_MAX_RANK, LAPACK
-@pytest.mark.parametrize("beta", [GATE_FLOOR, -0.5, 0.0, 0.7, 30.0])
-def test_woodbury_in_code_equals_woodbury_on_the_factors(r, beta):
-    """docs/design.md 1.3 in the code's coordinates: the same M_i^{-1} y, and the same gradients for y, the code, W_V,
-    its bias and beta, as the Woodbury step on the factors bounded_factors(W_V z + b) that it never builds."""
-    gen = torch.Generator().manual_seed(r)
-    dim, m = 24, 7
-    inputs = dict(update=torch.randn(3, 5, dim, generator=gen, dtype=F64),
-                  code=torch.randn(3, 5, m, generator=gen, dtype=F64),
-                  weight=torch.randn(r * dim, m, generator=gen, dtype=F64) / 2,
-                  bias=torch.randn(r * dim, generator=gen, dtype=F64) / 2,
-                  beta=torch.tensor(beta, dtype=F64))
-    results = []
-    for route in ("factors", "code"):
-        leaves = {k: v.clone().requires_grad_() for k, v in inputs.items()}
-        if route == "factors":
-            factors = ffn_factors_from_code(leaves["code"], leaves["weight"], leaves["bias"], r)
-            out = woodbury_precondition(leaves["update"], factors, leaves["beta"])
-        else:
-            out = woodbury_in_code(**leaves)
-        out.pow(2).sum().backward()
-        results.append((out.detach(), {k: v.grad for k, v in leaves.items()}))
-    # the floor's condition number (1e4) scales the rounding of both routes
-    tol = 1e-8 if beta == GATE_FLOOR else 1e-11
-    torch.testing.assert_close(results[1][0], results[0][0], rtol=tol, atol=tol)
-    for name, grad in results[0][1].items():
-        torch.testing.assert_close(results[1][1][name], grad, rtol=tol, atol=tol, msg=lambda msg: f"{name}: {msg}")
-
-
-def test_woodbury_in_code_never_builds_the_factors():
-    """Nothing of size r_f D per token (the factors, or products over them) exists in the code route, forward or
-    backward; its multiply-adds are those of three matmuls of width about r_f m per token, not r_f D m."""
-    tokens, dim, m, r = 16, 512, 8, 3
-    gen = torch.Generator().manual_seed(0)
-    y = torch.randn(tokens, dim, generator=gen, dtype=F64, requires_grad=True)
-    z = torch.randn(tokens, m, generator=gen, dtype=F64, requires_grad=True)
-    w = torch.randn(r * dim, m, generator=gen, dtype=F64, requires_grad=True)
-    b = torch.randn(r * dim, generator=gen, dtype=F64, requires_grad=True)
-    with LargestTensor() as seen:
-        woodbury_in_code(y, z, w, b, torch.tensor(0.5, dtype=F64)).sum().backward()
-    per_token = [math.prod(s[:-1]) == tokens and s[-1] for s in seen.shapes if len(s) >= 2 and s[0] == tokens]
-    assert max(per_token) < r * dim  # the widest per-token tensor: the update itself (D), never r_f D
-    with FlopCounterMode(display=False) as counter:
-        woodbury_in_code(y, z, w, b, torch.tensor(0.5, dtype=F64))
-    pairs = r * (r + 1) // 2
-    per_call = 2 * pairs * dim * m * (m + 2)  # W_a^T W_b and the cross terms, once per call (not per token)
-    assert counter.get_total_flops() <= 2 * tokens * (2 * dim * (r * m + r) + m * (pairs * m + pairs)) + per_call
 
 
 def test_woodbury_never_builds_a_d_by_d_matrix():

@@ -491,16 +491,12 @@ def test_every_llama_rope_type_equals_llama_beyond_max_position_embeddings(name)
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("rope", ["default", "yarn", "longrope"])
-@pytest.mark.parametrize("ffn_route", ["factors", "code"])
-def test_metric_is_spd_in_every_dtype_and_rope_type(monkeypatch, dtype, rope, ffn_route):
+def test_metric_is_spd_in_every_dtype_and_rope_type(monkeypatch, dtype, rope):
     """docs/design.md 1.1: G_i = I + alpha U_i U_i^T is SPD for every input, in the dtype the model runs in, whatever the RoPE
     type: the factors the attention uses (after their rotation) keep ||U_i||_2 < 1 (YaRN's and longrope's
-    attention_scaling turn q and k only) and alpha stays above -1 where expm1 rounds to -1. So is M_i, whether the MLP
-    step builds its factors (r_f m > D) or runs in the code's coordinates (r_f m <= D)."""
+    attention_scaling turn q and k only) and alpha stays above -1 where expm1 rounds to -1. So is M_i."""
     max_positions, params = ROPE_CASES[rope]
-    model = tiny_model(dtype=dtype, max_position_embeddings=max_positions, rope_parameters={**params, "rope_theta": 10000.0},
-                       metric_hidden=64 if ffn_route == "factors" else 16)
-    assert model.model.layers[0].fiber.ffn_step_in_code() == (ffn_route == "code")
+    model = tiny_model(dtype=dtype, max_position_embeddings=max_positions, rope_parameters={**params, "rope_theta": 10000.0})
     with torch.no_grad():
         for layer in model.model.layers:
             layer.fiber.attn_factor_proj.weight.mul_(1e3)  # huge raw factors: ||U_i|| right at the bound
@@ -524,11 +520,9 @@ def test_metric_is_spd_in_every_dtype_and_rope_type(monkeypatch, dtype, rope, ff
         sigma_sq = torch.linalg.eigvalsh(metric_gram(factors.double())).amax(-1)  # (B, Hk, n): ||U_i||_2^2
         alpha = state.alpha.double().view(1, factors.shape[1], -1, 1)  # (1, Hk, g, 1): the heads sharing U_i
         assert (1.0 + alpha * sigma_sq[:, :, None]).min() > 0  # G's smallest eigenvalue, from the kernel's values
-    for module, (normed, _, update), state in ffn:
+    for _, (_, _, update), state in ffn:
         assert torch.isfinite(state.ffn_update).all() and state.ffn_update.dtype == update.dtype
-        with torch.no_grad():
-            factors = metric_forward(module, normed, "ffn").ffn_factors  # the factors the step used, or stands for
-        v_sq = torch.linalg.eigvalsh(metric_gram(factors.double())).amax(-1)
+        v_sq = torch.linalg.eigvalsh(metric_gram(state.ffn_factors.double())).amax(-1)  # the factors the step used
         assert (1.0 + state.beta.double() * v_sq).min() > 0  # M_i's smallest eigenvalue
 
 
@@ -728,19 +722,15 @@ def test_geometry_recompute_gives_the_same_gradients_with_less_saved_memory():
     assert results[True][1] < 0.7 * results[False][1]
 
 
-@pytest.mark.parametrize("ffn_route", ["factors", "code"])
-def test_recomputed_mlp_step_keeps_at_most_its_update(ffn_route):
-    """With geometry_recompute the MLP step is checkpointed on either route: turning the MLP metric on adds to the
-    saved activations at most one (B, n, D) tensor per layer (the MLP's update, the checkpoint's input), not the route's
-    intermediates (unchecked, the code route kept about 2 D + 3 r_f m values per token: 1.21x the backbone's peak
-    memory for SmolLM2's shape at n = 2048 instead of 1.12x)."""
+def test_recomputed_mlp_step_keeps_at_most_its_update():
+    """With geometry_recompute the MLP step is checkpointed with its factors: turning the MLP metric on adds to the
+    saved activations at most one (B, n, D) tensor per layer (the MLP's update, the checkpoint's input), none of the
+    step's intermediates (an uncheckpointed step took peak forward+backward memory of SmolLM2's shape at n = 2048 from
+    1.12x to 1.21x the backbone's, docs/benchmarks.md)."""
     ids = random_ids(2, 64)
-    hidden = 64 if ffn_route == "factors" else 8
     saved = {}
     for ffn_rank in (0, 2):
-        model = set_gates(tiny_model(geometry_recompute=True, metric_hidden=hidden, ffn_metric_rank=ffn_rank)).train()
-        if ffn_rank:
-            assert model.model.layers[0].fiber.ffn_step_in_code() == (ffn_route == "code")
+        model = set_gates(tiny_model(geometry_recompute=True, ffn_metric_rank=ffn_rank)).train()
         saved[ffn_rank] = saved_bytes(model, ids)[1]
     update_bytes = ids.numel() * TINY["hidden_size"] * 8  # float64
     assert saved[2] - saved[0] <= TINY["num_hidden_layers"] * update_bytes
