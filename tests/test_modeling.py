@@ -725,8 +725,8 @@ def test_geometry_recompute_gives_the_same_gradients_with_less_saved_memory():
 def test_recomputed_mlp_step_keeps_at_most_its_update():
     """With geometry_recompute the MLP step is checkpointed with its factors: turning the MLP metric on adds to the
     saved activations at most one (B, n, D) tensor per layer (the MLP's update, the checkpoint's input), none of the
-    step's intermediates (an uncheckpointed step took peak forward+backward memory of SmolLM2's shape at n = 2048 from
-    1.12x to 1.21x the backbone's, docs/benchmarks.md)."""
+    step's intermediates (a step whose intermediates were kept took peak forward+backward memory of SmolLM2's shape at
+    n = 2048 from 1.12x to 1.21x the backbone's, docs/benchmarks.md)."""
     ids = random_ids(2, 64)
     saved = {}
     for ffn_rank in (0, 2):
