@@ -28,6 +28,8 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+from transformers.core_model_loading import ConversionOps, WeightConverter
 from transformers.dynamic_module_utils import custom_object_save
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import (
@@ -195,8 +197,24 @@ class FiberState(NamedTuple):
     alpha: torch.Tensor | None  # (H,)  alpha = exp(theta) - 1 >= GATE_FLOOR > -1
     gamma: torch.Tensor | None  # (H,)
     ffn_factors: torch.Tensor | None  # (B, n, r_f, D), spectral norm < 1 (built when no update is given)
-    beta: torch.Tensor | None  # ()    beta = exp(phi) - 1 >= GATE_FLOOR > -1
+    beta: torch.Tensor | None  # (1,)  beta = exp(phi) - 1 >= GATE_FLOOR > -1
     ffn_update: torch.Tensor | None = None  # M_i^{-1} update (B, n, D), when the forward was given the MLP's update
+
+
+# Parameters saved as 0-dim tensors by earlier releases, now of shape (1,). Loading reshapes them, on both paths a
+# checkpoint can take: transformers' ``from_pretrained`` (its weight-loading pipeline sets parameters itself and calls
+# no ``load_state_dict`` hook: a conversion registered for this model type, below) and torch's ``load_state_dict``
+# (PEFT's adapter loading, a user's own state dict: the module's pre-hook).
+ZERO_DIM_GATES = ("ffn_gate",)
+
+
+def _gates_from_zero_dim(module, state_dict, prefix, *args) -> None:
+    """``load_state_dict`` pre-hook of ``FiberBundleMetric``: a 0-dim gate of ``ZERO_DIM_GATES`` (older folders) becomes
+    (1,)."""
+    for name in ZERO_DIM_GATES:
+        value = state_dict.get(prefix + name)
+        if value is not None and value.dim() == 0:
+            state_dict[prefix + name] = value.reshape(1)
 
 
 class FiberBundleMetric(nn.Module):
@@ -227,7 +245,10 @@ class FiberBundleMetric(nn.Module):
             self.ffn_factor_proj = nn.Linear(  # W_V
                 config.metric_hidden, self.ffn_metric_rank * config.hidden_size, bias=True
             )
-            self.ffn_gate = nn.Parameter(torch.zeros(()))  # phi
+            # phi, of shape (1,) (a 0-dim tensor in folders saved before 2026-12-04: see ``ZERO_DIM_GATES``). Why not
+            # 0-dim: torch's FSDP2 (``fully_shard``) refuses scalar parameters
+            self.ffn_gate = nn.Parameter(torch.zeros(1))
+            self.register_load_state_dict_pre_hook(_gates_from_zero_dim)
 
     def forward(self, normed_hidden: torch.Tensor, part: str = "all", update: torch.Tensor | None = None) -> FiberState:
         """The layer's metric field: every token's factors and the gates, of ``part`` ("attention", "ffn" or "all"; None
@@ -462,8 +483,10 @@ class FiberBundleDecoderLayer(GradientCheckpointingLayer):
         return fiber(normed, "attention")
 
     def _recomputes(self) -> bool:
-        """Whether the metric's intermediates are recomputed in the backward (training with ``geometry_recompute``)."""
-        return self.config.geometry_recompute and torch.is_grad_enabled()
+        """Whether the metric's intermediates are recomputed in the backward: ``geometry_recompute`` in training mode
+        with gradients enabled. Why training mode too: recomputation is a training matter, and an eval-mode trace with
+        gradients on (``torch.export``) cannot take a checkpoint."""
+        return self.config.geometry_recompute and self.training and torch.is_grad_enabled()
 
     def precondition(self, normed: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
         """The metric-preconditioned step M_i^{-1} update (docs/design.md 1.3), Woodbury inverse, never D x D, computed
@@ -903,6 +926,30 @@ class FiberBundleForQuestionAnswering(GenericForQuestionAnswering, FiberBundlePr
         self.model = FiberBundleModel(config)
         self.qa_outputs = nn.Linear(config.hidden_size, 2)
         self.post_init()
+
+
+class GateToOneDim(ConversionOps):
+    """A weight conversion for ``from_pretrained``: a 0-dim gate (folders saved before 2026-12-04) becomes shape (1,),
+    a tensor of any other shape passes unchanged. Its own reverse: ``save_pretrained`` writes the (1,) shape."""
+
+    @torch.no_grad()
+    def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+        (value,) = input_dict.values()
+        tensor = value[0] if isinstance(value, list) else value
+        return {target_patterns[0]: tensor.reshape(1) if tensor.dim() == 0 else tensor}
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return self
+
+
+# transformers looks a model's weight conversions up by class name, then by model type. Every copy of this file
+# registers the same conversion (a Hub folder's remote code is imported under its own module name): hence overwrite.
+register_checkpoint_conversion_mapping(
+    FiberBundleConfig.model_type,
+    [WeightConverter(f"fiber.{name}", f"fiber.{name}", operations=[GateToOneDim()]) for name in ZERO_DIM_GATES],
+    overwrite=True,
+)
 
 
 # save_pretrained copies this file and its relative imports and writes auto_map (AUTO_MAP, read from these

@@ -1,8 +1,9 @@
 """Run by tests/test_training.py under ``torchrun --standalone --nproc_per_node N``: a few full-mode steps of the tiny
-model with DDP over gloo on CPU (a checkpoint every 2 steps), then the parameter checksums of every rank and rank 0's
-weights. Arguments: OUT PER_DEVICE_BATCH [JSON of further train_model fields]."""
+model with DDP over gloo on CPU (a checkpoint every 2 steps), then the parameter checksums and peak memory of every rank,
+the training time, and rank 0's weights. Arguments: OUT PER_DEVICE_BATCH [JSON of further train_model fields]."""
 
 import json
+import resource
 import sys
 from pathlib import Path
 
@@ -26,15 +27,19 @@ trainer = train_model(
 model = trainer.model
 checksum = sum(p.detach().double().sum().item() for p in model.parameters())
 world = trainer.args.world_size
-checksums = [None] * world
+peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # this process's peak resident memory
+checksums, peaks = [None] * world, [None] * world
 if dist.is_initialized():
     dist.all_gather_object(checksums, checksum)
+    dist.all_gather_object(peaks, peak_mib)
 else:
-    checksums = [checksum]
+    checksums, peaks = [checksum], [peak_mib]
+runtime = next((entry["train_runtime"] for entry in trainer.state.log_history if "train_runtime" in entry), None)
 if trainer.args.process_index == 0:
     torch.save(model.state_dict(), out / "weights.pt")
     (out / "result.json").write_text(json.dumps({"world_size": world, "checksums": checksums,
-                                                 "parallel_mode": str(trainer.args.parallel_mode)}))
+                                                 "parallel_mode": str(trainer.args.parallel_mode),
+                                                 "peak_rss_mib": peaks, "train_runtime_s": runtime}))
 if dist.is_initialized():  # why: an undestroyed gloo group can abort a rank at interpreter exit (SIGABRT)
     dist.barrier()
     dist.destroy_process_group()

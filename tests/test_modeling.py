@@ -671,7 +671,7 @@ def test_init_weights_initialises_every_new_parameter():
     assert all(torch.isfinite(p).all() for p in fiber.parameters())
     torch.testing.assert_close(torch.expm1(fiber.attn_gate), torch.full((4,), 0.5))
     torch.testing.assert_close(fiber.flatness_gate, torch.full((4,), 0.25))
-    torch.testing.assert_close(torch.expm1(fiber.ffn_gate), torch.tensor(-0.5))
+    torch.testing.assert_close(torch.expm1(fiber.ffn_gate), torch.tensor([-0.5]))
     assert abs(fiber.code_proj.weight.std().item() - 0.02) < 0.002
     assert abs(fiber.attn_factor_proj.weight.std().item() - 1 / 16) < 0.005
     assert abs(fiber.ffn_factor_proj.weight.std().item() - 1 / 16) < 0.005

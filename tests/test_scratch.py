@@ -82,7 +82,7 @@ def test_fresh_model_starts_at_the_configured_gates_and_is_seeded():
     fiber = model.model.layers[1].fiber
     torch.testing.assert_close(torch.expm1(fiber.attn_gate.detach()), torch.full((4,), 10.0))
     torch.testing.assert_close(fiber.flatness_gate.detach(), torch.ones(4))
-    torch.testing.assert_close(torch.expm1(fiber.ffn_gate.detach()), torch.tensor(0.5))
+    torch.testing.assert_close(torch.expm1(fiber.ffn_gate.detach()), torch.tensor([0.5]))
     same, other = fresh_model(config, seed=3), fresh_model(config, seed=4)
     for (name, a), b in zip(model.state_dict().items(), same.state_dict().values()):
         assert torch.equal(a, b), name
