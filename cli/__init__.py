@@ -9,6 +9,8 @@ import sys
 SUBCOMMANDS = {
     "convert": ("fiber_bundle.conversion.cli:convert",
                 "graft per-token metrics onto a LLaMA / Mistral / Qwen2 / Qwen3 checkpoint"),
+    "export": ("fiber_bundle.conversion.cli:export",
+               "export a Fiber Bundle causal LM to torch.export, ONNX or ExecuTorch, checked against generate"),
     "train": ("fiber_bundle.training.cli:train",
               "fine-tune a Fiber Bundle folder with transformers' Trainer (full, metric-only or LoRA)"),
     "merge": ("fiber_bundle.training.cli:merge",

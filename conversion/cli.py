@@ -98,3 +98,64 @@ def convert_parser() -> argparse.ArgumentParser:
     parser.add_argument("--license", default=None,
                         help="license for the model card (default: the one the source's model card declares)")
     return parser
+
+
+def export(argv: list[str]) -> int:
+    args = export_parser().parse_args(argv)
+
+    from .export import ExportError, export_model
+
+    try:
+        result = export_model(args.model, args.output, format=args.format, max_cache_len=args.max_cache_len,
+                              prefill_chunk=args.prefill_chunk, dynamic_length=args.dynamic_length or None,
+                              verify=not args.no_verify, prompt_tokens=args.prompt_tokens,
+                              new_tokens=args.new_tokens, overwrite=args.overwrite)
+    except ExportError as error:
+        return report_failure("export", error, traceback=args.traceback)
+    except KeyboardInterrupt as interrupt:
+        return report_failure("export", interrupt, traceback=False, code=130, prefix="",
+                              message="interrupted; nothing was written to OUTPUT.")
+    report = result.report
+    print(f"exported {args.model} -> {result.output / report['file']} ({args.format}, "
+          f"{report['file_bytes'] / 2**20:.1f} MiB) in {report['export_seconds']:.1f} s")
+    if "parity" in report:
+        print(f"  parity: {report['parity']['summary']} -> passed")
+    else:
+        print("  parity: not checked (--no-verify)")
+    print(f"  not in the program: {'; '.join(report['not_in_the_program'])}")
+    print(f"  peak memory: {report['peak_memory_mib']:.0f} MiB; full report: {result.output / 'export_report.json'}")
+    return 0
+
+
+def export_parser() -> argparse.ArgumentParser:
+    from .export import FORMATS
+
+    parser = argparse.ArgumentParser(
+        prog="fiber-bundle export",
+        description="Export MODEL (a Fiber Bundle causal-LM folder) to OUTPUT as a program that runs without Python "
+                    "transformers, and check it against eager generate first (docs/deployment.md). Formats: "
+                    + "; ".join(f"{name}: {spec.summary}" for name, spec in FORMATS.items()) + ".",
+    )
+    parser.add_argument("model", help="a Fiber Bundle folder (fiber-bundle convert's or train's output); a LoRA "
+                                      "adapter must be merged first (fiber-bundle merge)")
+    parser.add_argument("output", help="the folder to write (must be absent or empty unless --overwrite)")
+    parser.add_argument("--format", choices=list(FORMATS), default="exported-program",
+                        help="the program to write (default: exported-program)")
+    parser.add_argument("--max-cache-len", type=int, default=512,
+                        help="positions of the static cache (exported-program, executorch): prompt plus generated "
+                             "tokens cannot exceed it (default 512)")
+    parser.add_argument("--prefill-chunk", type=int, default=None,
+                        help="onnx: most new tokens per call; longer prompts are fed in chunks (default: the model's "
+                             "attention_block_size)")
+    parser.add_argument("--dynamic-length", action="store_true",
+                        help="require a program that takes any context length (onnx has one; the static-cache "
+                             "formats refuse it)")
+    parser.add_argument("--prompt-tokens", type=int, default=24,
+                        help="tokens of calibration text the parity check prompts with (default 24)")
+    parser.add_argument("--new-tokens", type=int, default=16,
+                        help="greedy tokens the parity check generates and compares with generate's (default 16)")
+    parser.add_argument("--no-verify", action="store_true", help="skip the parity check against the eager model")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUTPUT")
+    parser.add_argument("--traceback", action="store_true",
+                        help="print the full Python traceback of an error (for bug reports)")
+    return parser

@@ -134,3 +134,21 @@ def test_quantized_benchmark_quick_run(tmp_path):
         repacked, layers = result["layers_repacked_in_the_repacking_arm"].split(" of ")
         assert repacked == layers != "0"
     assert all(us > 0 for us in result["mode_switch_us"].values())
+
+
+@pytest.mark.heavy
+def test_export_benchmark_quick_run(tmp_path):
+    """bench_export.py --quick: the tiny model exported to the torch.export program and the ONNX graph, each export's
+    check passed, and each runtime decoded the eager model's greedy tokens at a positive rate."""
+    pytest.importorskip("onnxruntime")
+    out = tmp_path / "export.json"
+    proc = run_script("bench_export.py", "--quick", "--formats", "exported-program", "onnx", "--repeats", "1",
+                      "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert list(rows) == ["eager", "exported-program", "onnx"]
+    for name in ("exported-program", "onnx"):
+        assert rows[name]["parity"]["passed"] and rows[name]["file_mib"] > 0
+    assert all(row["tokens_equal_eager"] and row["decode_tokens_per_s"] > 0 for row in rows.values())
+    assert rows["eager"]["decode_ratio_to_eager"] == 1.0
+    assert "| onnx |" in proc.stdout

@@ -35,6 +35,7 @@ def test_two_process_fsdp2_matches_one_process(tmp_path):
     result = subprocess.run([*torchrun_command(2), str(worker), str(folder)], capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+    print(result.stdout[-1000:])  # each rank's step time and peak memory: the figures of docs/distributed.md (pytest -s)
     out = torch.load(folder / "fsdp.pt")
 
     model = FiberBundleForCausalLM.from_pretrained(folder, dtype=torch.float32)

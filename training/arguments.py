@@ -14,7 +14,9 @@ Where the project's meaning differs from a ``TrainingArguments`` field of a simi
 """
 
 import importlib.util
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from transformers import TrainingArguments
@@ -125,6 +127,7 @@ class FiberBundleTrainingArguments(TrainingArguments):
             self.dataloader_pin_memory = torch.cuda.is_available()
         if self.quiet:
             self.disable_tqdm, self.print_logs = True, False
+        self._check_deepspeed()  # before transformers reads the config: its errors would not name the fix
         super().__post_init__()
         self._check_options()
         if derived:  # None, not transformers' "trainer_output": run_training sets OUTPUT/checkpoints
@@ -158,6 +161,37 @@ class FiberBundleTrainingArguments(TrainingArguments):
                                 "--load-in-4bit and --load-in-8bit, not both.")
         if self.save_strategy == SaveStrategy.STEPS and not self.save_steps:
             raise TrainingError("save_strategy 'steps' needs save_steps > 0: pass --save_steps N.")
+
+    def _check_deepspeed(self) -> None:
+        """--deepspeed CONFIG: DeepSpeed installed, the config readable, and a ZeRO-3 run able to save its model."""
+        if not self.deepspeed:
+            return
+        if importlib.util.find_spec("deepspeed") is None:
+            raise TrainingError("--deepspeed needs DeepSpeed, which is not installed: pip install "
+                                "'fiber-bundle-transformers[deepspeed]' (on a machine without a GPU also set "
+                                "DS_ACCELERATOR=cpu).")
+        config = self.deepspeed
+        if isinstance(config, str):
+            if not Path(config).is_file():
+                raise TrainingError(f"--deepspeed {config}: no such file; pass the path of a DeepSpeed JSON config "
+                                    "(docs/distributed.md has one).")
+            try:
+                config = json.loads(Path(config).read_text())
+            except json.JSONDecodeError as error:
+                raise TrainingError(f"--deepspeed {self.deepspeed} is not valid JSON ({error}).") from None
+        zero = config.get("zero_optimization") or {}
+        if zero.get("stage") == 3:
+            if not zero.get("stage3_gather_16bit_weights_on_model_save", False):
+                raise TrainingError('ZeRO stage 3 splits every weight across the processes, and without '
+                                    '"stage3_gather_16bit_weights_on_model_save": true in the config\'s '
+                                    '"zero_optimization" the trained model cannot be gathered and saved: add it to '
+                                    f"{self.deepspeed if isinstance(self.deepspeed, str) else 'the config'}.")
+            if self.mode == "lora":
+                raise TrainingError("--mode lora trains a small adapter, which ZeRO-3 would only split: use ZeRO "
+                                    "stage 2 (or plain DDP, no --deepspeed) for LoRA.")
+        if self.load_in_4bit or self.load_in_8bit:
+            raise TrainingError("--load-in-4bit / --load-in-8bit (bitsandbytes) do not train under DeepSpeed: drop "
+                                "--deepspeed for QLoRA.")
 
     def quantization_config(self):
         """The ``BitsAndBytesConfig`` that ``load_in_4bit`` (NF4) or ``load_in_8bit`` asks for, None for a

@@ -222,18 +222,26 @@ def run_training(model_path: str | Path | None, output: str | Path, args: FiberB
     train_set = training_blocks(train_text, tokenizer, args.block_size, name=train_name)
     eval_set = training_blocks(eval_text, tokenizer, args.block_size, name=eval_name) if eval_text is not None else None
 
+    if args.deepspeed:
+        _deepspeed_process_group(args)
     if args.from_config is not None:
         model = fresh_model(config, args.seed)
     else:
         model = FiberBundleForCausalLM.from_pretrained(model_path, quantization_config=quantization)
-    if earlier_checkpoints:  # every check has passed: only now are they removed
-        start_again(output)
+    with args.main_process_first(local=False, desc="removing the earlier run's checkpoints"):
+        if earlier_checkpoints and args.process_index == 0:  # every check has passed: only now are they removed
+            start_again(output)
     trainer = build_trainer(model, train_set, args, eval_dataset=eval_set)
     before = trainer.evaluate()["eval_loss"] if eval_set is not None else None
     started = time.perf_counter()
     trainer.train(resume_from_checkpoint=args.checkpoint_to_resume)
     train_seconds = time.perf_counter() - started
     after = trainer.evaluate()["eval_loss"] if eval_set is not None else None
+    final = trained_model(trainer)  # every process calls it (ZeRO-3 gathers); None but on the main process
+    if final is None:  # another process of a distributed run: the main process writes OUTPUT
+        trainer.accelerator.wait_for_everyone()
+        return {"mode": args.mode, "steps": trainer.state.global_step, "eval_loss_before": before,
+                "eval_loss_after": after, "output": str(output)}
     if args.mode == "lora" and args.base_model_id:  # an adapter published on the Hub must name its base by Hub id
         for peft_config in trainer.model.peft_config.values():
             peft_config.base_model_name_or_path = args.base_model_id
@@ -248,15 +256,15 @@ def run_training(model_path: str | Path | None, output: str | Path, args: FiberB
               **({"from_config": public_name(args.from_config), "tokenizer": public_name(args.tokenizer or "byte")}
                  if args.from_config is not None else {}),
               # what the model card shows (model_cards.card): sources by Hub id or name, never by local path
-              **run_record(args, trainer, config, base=None if model_path is None else args.base_model_id or
+              **run_record(args, trainer, final, config, base=None if model_path is None else args.base_model_id or
                            public_name(model_path), data=corpus or public_name(args.data),
                            eval_data=None if corpus else public_name(args.eval_data), train_blocks=len(train_set),
                            eval_blocks=len(eval_set) if eval_set is not None else None, train_seconds=train_seconds),
               "geometry": {"probe_tokens": int(probe.numel()), "held_out": eval_set is not None,
-                           "layers": geometry_by_layer(trainer.model, probe)}}
+                           "layers": geometry_by_layer(final, probe)}}
 
     def write(folder: Path):
-        trainer.model.save_pretrained(folder)
+        final.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
         conversion = None if model_path is None else Path(model_path) / "conversion_report.json"
         if conversion is not None and conversion.is_file():  # the source and its parity travel with the model
@@ -265,18 +273,55 @@ def run_training(model_path: str | Path | None, output: str | Path, args: FiberB
         render_card(folder, name=output.name)  # replaces the card PEFT writes beside an adapter
 
     write_output(output, write)
+    trainer.accelerator.wait_for_everyone()
     return {**result, "output": str(output)}
 
 
-def run_record(args: FiberBundleTrainingArguments, trainer, config, *, base: str | None, data: str | None,
+def _deepspeed_process_group(args) -> None:
+    """Hand DeepSpeed the process group the arguments set up under torchrun. It keeps its own record of it, which a
+    ZeRO-3 load reads (``from_pretrained`` builds the weights partitioned, under ``deepspeed.zero.Init``): without it
+    that load counts one process and rejects the batch size (train_batch_size 4 != 2 * 1 * 1)."""
+    import torch.distributed as dist
+
+    if args.world_size > 1 and dist.is_initialized():
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend=dist.get_backend())
+
+
+def trained_model(trainer):
+    """The trained model whole, on the main process (None on the others); every process must call it.
+
+    Under DeepSpeed ZeRO-3 each process holds a slice of every weight: the slices are gathered to the main process
+    (``stage3_gather_16bit_weights_on_model_save``, which the arguments require with ZeRO-3) and loaded into a fresh
+    copy of the model; otherwise it is the Trainer's own model (DDP keeps a whole copy on every process)."""
+    zero3 = trainer.is_deepspeed_enabled and trainer.accelerator.deepspeed_config["zero_optimization"].get("stage") == 3
+    if not zero3:
+        return trainer.model if trainer.is_world_process_zero() else None
+    state = trainer.accelerator.get_state_dict(trainer.model_wrapped)  # collective: every process takes part
+    if not trainer.is_world_process_zero():
+        return None
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()  # why: the copy is a plain model, not built partitioned under deepspeed.zero.Init
+    model = type(trainer.model)(trainer.model.config)
+    model.load_state_dict(state)  # strict: every weight of the model came back
+    frozen = {name for name, param in trainer.model.named_parameters() if not param.requires_grad}
+    for name, param in model.named_parameters():  # what trained (the run record counts it)
+        param.requires_grad_(name not in frozen)
+    return model.eval()
+
+
+def run_record(args: FiberBundleTrainingArguments, trainer, model, config, *, base: str | None, data: str | None,
                eval_data: str | None, train_blocks: int, eval_blocks: int | None, train_seconds: float) -> dict:
     """What training_metrics.json records for the model card besides the losses: the sources (public names), the
-    tokens seen, the rest of the hyper-parameters, the model's size, the hardware, the time and the software."""
+    tokens seen, the rest of the hyper-parameters, the size of the trained ``model``, the hardware, the time and the
+    software."""
     trainable = total = 0
-    if hasattr(trainer.model, "get_nb_trainable_parameters"):  # PEFT: counts 4-bit weights by their real size
-        trainable, total = trainer.model.get_nb_trainable_parameters()
+    if hasattr(model, "get_nb_trainable_parameters"):  # PEFT: counts 4-bit weights by their real size
+        trainable, total = model.get_nb_trainable_parameters()
     else:
-        for param in trainer.model.parameters():
+        for param in model.parameters():
             total += param.numel()
             trainable += param.numel() if param.requires_grad else 0
     accumulation, processes = args.gradient_accumulation_steps, args.world_size
