@@ -56,13 +56,16 @@ def _scratch(args) -> int:
     fields = {"num_hidden_layers": args.layers, "hidden_size": args.width, "intermediate_size": args.intermediate_size,
               "num_attention_heads": args.heads, "num_key_value_heads": args.kv_heads, "metric_rank": args.metric_rank,
               "ffn_metric_rank": args.ffn_metric_rank, "metric_hidden": args.metric_hidden}
+    if args.attention_only:  # no MLP, so no MLP metric unless asked for (which the config then refuses)
+        fields.update(attention_only=True, ffn_metric_rank=0 if args.ffn_metric_rank is None else args.ffn_metric_rank)
     results = run_scratch_comparison(args.out, seeds=args.seeds, learning_rates=args.learning_rates,
                                      strong=args.strong_alphas, arms=args.arms,
                                      model_fields={k: v for k, v in fields.items() if v is not None},
                                      max_steps=args.max_steps, batch_size=args.batch_size, block_size=args.block_size,
                                      eval_blocks=args.eval_blocks, eval_every=args.eval_every,
                                      warmup_steps=args.warmup_steps, max_extensions=args.max_extensions,
-                                     compile=args.compile)
+                                     compile=args.compile, metric_rate_ratios=args.metric_rate_ratios,
+                                     steps_by_arm=dict(args.steps_by_arm) if args.steps_by_arm else None)
     print(f"{results['budget']['tokens']:,} tokens per run, {len(results['seeds'])} seeds, held-out "
           f"{results['eval_blocks']} x {results['budget']['block_size']} bytes")
     for arm, row in results["summary"].items():
@@ -70,8 +73,10 @@ def _scratch(args) -> int:
                   if row.get("loss_vs_euclidean") is not None and arm != "euclidean" else "")
         loss = ("diverged" if row["eval_loss_after_mean"] is None else
                 f"{row['eval_loss_after_mean']:.4f} ± {row['eval_loss_after_std']:.4f}")
-        print(f"  {arm:12s} lr {row['learning_rate']:g}{' (sweep edge)' if row['at_sweep_edge'] else ''}: held-out "
-              f"loss {loss}{versus}; {row['seconds_per_step_mean']:.2f} s/step; {row['parameters']:,} parameters")
+        metric = f", metric lr {row['metric_learning_rate']:g}" if row.get("metric_learning_rate") else ""
+        edge = " (sweep edge)" if row["at_sweep_edge"] else ""
+        print(f"  {arm:12s} lr {row['learning_rate']:g}{edge}{metric}: held-out loss {loss}{versus}; "
+              f"{row['seconds_per_step_mean']:.2f} s/step; {row['parameters']:,} parameters")
     print(f"-> {Path(args.out) / 'scratch.json'}, {Path(args.out) / 'scratch.png'}")
     return 0
 
@@ -305,7 +310,28 @@ def analyze_parser() -> argparse.ArgumentParser:
     scratch.add_argument("--metric-rank", type=int, default=None, help="attention metric rank r (default 2)")
     scratch.add_argument("--ffn-metric-rank", type=int, default=None, help="MLP preconditioner rank (default 2)")
     scratch.add_argument("--metric-hidden", type=int, default=None, help="fibre code width m (default 32)")
+    scratch.add_argument("--metric-rate-ratios", type=float, nargs="+", default=None, metavar="RATIO",
+                         help="after each arm's rate sweep, give the metric's parameters their own rate, best rate x "
+                              "RATIO, each tried on the first seed (the one-rate run is ratio 1); the best pair runs on "
+                              "every seed")
+    scratch.add_argument("--steps-by-arm", type=_arm_steps, nargs="+", default=None, metavar="ARM=STEPS",
+                         help="an arm's own number of steps (equal wall time: the steps its measured time per step "
+                              "allows in the budget); other arms run --max-steps")
+    scratch.add_argument("--attention-only", action="store_true",
+                         help="layers without their MLP (x <- x + attention(RMSNorm(x))), the rank-collapse setting; "
+                              "the Euclidean twin then has fewer parameters (no MLP to widen)")
     return parser
+
+
+def _arm_steps(value: str) -> tuple[str, int]:
+    arm, _, steps = value.partition("=")
+    try:
+        count = int(steps)
+    except ValueError:
+        count = 0
+    if not arm or count < 1:
+        raise argparse.ArgumentTypeError(f"expected ARM=STEPS with STEPS a positive integer, got {value!r}")
+    return arm, count
 
 
 def _run(handler):

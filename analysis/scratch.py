@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from .measures import summarise
+from .measures import numerical_rank, paired_interval, summarise
 from .output import write_json
 
 STRONG = (1.0, 10.0)  # alpha at the strong starts (gamma = 1)
@@ -52,11 +52,14 @@ def parameter_count(config) -> int:
 
 def equal_parameter_twin(config):
     """The Euclidean twin of ``config`` (metric off) with ``intermediate_size`` raised so that its parameter count is
-    the closest to the Riemannian model's: the metric's parameters become MLP width."""
+    the closest to the Riemannian model's: the metric's parameters become MLP width. An attention-only model has no
+    MLP: its twin is the metric-off model, with fewer parameters (recorded with the arm)."""
     target = parameter_count(config)
     twin = config.to_dict()
     twin.update(metric_rank=0, ffn_metric_rank=0)
     base = type(config)(**_fields(twin))
+    if config.attention_only:  # no MLP to widen: the twin is the metric-off model, smaller by the metric's parameters
+        return base
     per_unit = parameter_count(type(config)(**_fields({**twin, "intermediate_size": twin["intermediate_size"] + 1})))
     per_unit -= parameter_count(base)  # gate, up and down projections: 3 x hidden (+ biases)
     twin["intermediate_size"] += round((target - parameter_count(base)) / per_unit)
@@ -104,12 +107,15 @@ def measure_trained(model, eval_ids: torch.Tensor) -> dict:
 
     from fiber_bundle.training.geometry_logging import gate_values
 
-    from .probes import geometry_proxies, intrinsic_rank, model_collapse
+    from .probes import geometry_proxies, intrinsic_rank, model_collapse, residual_stream
 
     model.eval()
     collapse = model_collapse(model, eval_ids)
     exact = copy.deepcopy(model).to(torch.float64)
     rank = intrinsic_rank(exact, eval_ids)
+    # numerical rank (rtol 1e-10) of each held-out block's hidden states (n x D) entering every layer and leaving the
+    # last, mean over blocks: rank collapse drives it to 1
+    hidden_rank = [numerical_rank(states).double().mean().item() for states in residual_stream(exact, eval_ids)]
     del exact
     gates = {}
     for key, value in gate_values(model).items():  # geometry/layer{i}/{alpha,gamma,beta}
@@ -118,6 +124,7 @@ def measure_trained(model, eval_ids: torch.Tensor) -> dict:
     return {
         "residual_per_layer": [row["mean"] for row in collapse["per_depth"]],
         "residual_per_layer_without_first_token": [row["mean"] for row in collapse["per_depth_without_first_token"]],
+        "hidden_numerical_rank_per_layer": hidden_rank,
         "score_numerical_rank_per_layer": [sum(layer["score_numerical_rank"]) / len(layer["score_numerical_rank"])
                                            for layer in rank["layers"]],
         "heads_above_gram_bound": rank["summary"]["heads_above_gram_bound"], "heads": rank["summary"]["heads"],
@@ -168,12 +175,18 @@ def run_scratch_comparison(
     corpus_root: str | Path | None = None,
     progress: bool = True,
     compile: bool = False,
+    metric_rate_ratios=None,
+    steps_by_arm: dict | None = None,
 ) -> dict:
     """Sweep each arm's learning rate on ``seeds[0]`` (``learning_rates``, extended by up to ``max_extensions`` grid
     steps while the best rate lies at an edge), re-run the best on every seed; write ``scratch.json`` after every
     run and ``scratch.png`` at the end. ``compile`` trains through ``torch.compile`` (transformers' ``torch_compile``);
     a run's time per step then leaves out the compilation (its first step's excess over the median step, recorded as
-    ``compile_seconds``). Returns the results (``summary``: per arm, the best rate's final held-out loss
+    ``compile_seconds``). ``metric_rate_ratios``: after an arm's rate sweep, the metric's parameters get their own rate
+    (``metric_learning_rate`` = best rate x ratio, each ratio tried on ``seeds[0]``, the one-rate run counting as
+    ratio 1) and the best pair is re-run on every seed; the Euclidean arm has no metric and keeps one rate.
+    ``steps_by_arm``: each named arm's own number of steps (an equal-time comparison gives each arm the steps its
+    time per step allows in one budget), ``max_steps`` for the others. Returns the results (``summary``: per arm, the best rate's final held-out loss
     mean ± std, its difference to the Euclidean arm paired by seed, time per step, residual per layer, ...)."""
     from tqdm.auto import tqdm
 
@@ -207,7 +220,11 @@ def run_scratch_comparison(
                    **({"root": str(corpus_root)} if corpus_root is not None else {})},
         "threads": torch.get_num_threads(),
         **({"compile": True} if compile else {}),  # absent when off: earlier comparisons continue unchanged
+        **({"metric_rate_ratios": sorted(float(r) for r in metric_rate_ratios)} if metric_rate_ratios else {}),
+        **({"steps_by_arm": {arm: int(steps_by_arm[arm]) for arm in sorted(steps_by_arm)}} if steps_by_arm else {}),
     }
+    if steps_by_arm and (unknown := sorted(set(steps_by_arm) - set(arms))):
+        raise ValueError(f"steps given for arm(s) {unknown} that are not compared; arms: {arms}.")
     path = output_dir / "scratch.json"
     results = {**settings, "runs": []}
     if path.is_file():  # continue a stopped comparison with the same settings
@@ -220,20 +237,24 @@ def run_scratch_comparison(
             raise ValueError(f"{path} holds a comparison with other settings; pass another --out, or delete it to "
                              "start again.")
 
-    def run(arm: str, lr: float, seed: int) -> dict:
+    def run(arm: str, lr: float, seed: int, metric_lr: float | None = None) -> dict:
         for done in results["runs"]:
-            if (done["arm"], done["learning_rate"], done["seed"]) == (arm, lr, seed):
+            if (done["arm"], done["learning_rate"], done["seed"], done.get("metric_learning_rate")) == (
+                    arm, lr, seed, metric_lr):
                 return done
+        steps = (steps_by_arm or {}).get(arm, max_steps)
         if compile:  # each run compiles its own model afresh: a model of another shape after the first would be
             # compiled with dynamic shapes (an inductor error in torch 2.13 on the CPU), and after 8 models torch's
             # recompile limit would silently fall back to eager
             torch.compiler.reset()
         model = fresh_model(configs[arm], seed)
+        at_init = measure_trained(model, probe_ids)  # the same measures before the first step
         clock = StepClock()
         with tempfile.TemporaryDirectory() as scratch:
             started = time.perf_counter()
-            trainer = train_model(model, train_set, scratch, mode="full", max_steps=max_steps, batch_size=batch_size,
-                                  learning_rate=lr, warmup_steps=warmup_steps, seed=seed, eval_dataset=eval_set,
+            trainer = train_model(model, train_set, scratch, mode="full", max_steps=steps, batch_size=batch_size,
+                                  learning_rate=lr, metric_learning_rate=metric_lr, warmup_steps=warmup_steps,
+                                  seed=seed, eval_dataset=eval_set,
                                   eval_strategy="steps", eval_steps=eval_every, logging_steps=eval_every,
                                   probe_ids=probe_ids, quiet=True, torch_compile=compile, callbacks=(clock,))
             seconds = time.perf_counter() - started
@@ -245,11 +266,14 @@ def run_scratch_comparison(
         compile_seconds = clock.first_step_excess() if compile else 0.0
         final = evals[-1][1]
         finite = final is not None and math.isfinite(final)  # Trainer.evaluate gives nan for a diverged model
-        record = {"arm": arm, "learning_rate": lr, "seed": seed, "eval_loss_after": final if finite else None,
+        record = {"arm": arm, "learning_rate": lr, "seed": seed, **({"metric_learning_rate": metric_lr}
+                                                                   if metric_lr is not None else {}),
+                  "steps": trainer.state.global_step, "eval_loss_after": final if finite else None,
                   "eval_curve": evals, "train_loss": [(log["step"], log["loss"]) for log in history if "loss" in log],
                   "seconds_per_step": (seconds - eval_seconds - compile_seconds) / max(1, trainer.state.global_step),
                   "step_seconds_median": clock.median(), "seconds": seconds,
-                  **({"compile_seconds": compile_seconds} if compile else {}), **(measure_trained(trainer.model, probe_ids) if finite else {})}
+                  **({"compile_seconds": compile_seconds} if compile else {}),
+                  **(measure_trained(trainer.model, probe_ids) if finite else {}), "at_init": at_init}
         results["runs"].append(record)
         write_json(path, results)
         return record
@@ -279,13 +303,25 @@ def run_scratch_comparison(
                     bar.set_postfix_str(f"{arm} lr {lr:g} seed {seed} (sweep extended)")
                     sweep.append(run(arm, lr, seed))
                     bar.update()
-                best[arm] = min(sweep, key=score)["learning_rate"]
+                lr = min(sweep, key=score)["learning_rate"]
+                choice = min((r for r in sweep if r["learning_rate"] == lr), key=score)
+                for ratio in (metric_rate_ratios or ()) if arm != "euclidean" else ():
+                    if ratio == 1:  # the one-rate run already is ratio 1
+                        continue
+                    bar.total += 1
+                    bar.set_postfix_str(f"{arm} lr {lr:g} metric lr x{ratio:g} seed {seed}")
+                    candidate = run(arm, lr, seed, float(f"{lr * ratio:.3g}"))
+                    choice = min((choice, candidate), key=score)
+                    bar.update()
+                best[arm] = (lr, choice.get("metric_learning_rate"))
             else:
-                bar.set_postfix_str(f"{arm} lr {best[arm]:g} seed {seed}")
-                run(arm, best[arm], seed)
+                bar.set_postfix_str(f"{arm} lr {best[arm][0]:g} seed {seed}")
+                run(arm, best[arm][0], seed, best[arm][1])
                 bar.update()
     bar.close()
-    results["best_learning_rate"] = best
+    results["best_learning_rate"] = {arm: lr for arm, (lr, _) in best.items()}
+    if metric_rate_ratios:
+        results["best_metric_learning_rate"] = {arm: metric_lr for arm, (_, metric_lr) in best.items()}
     results["summary"] = summarise_scratch(results)
     write_json(path, results)
     plot_scratch(results, output_dir / "scratch.png")
@@ -298,9 +334,15 @@ def summarise_scratch(results: dict) -> dict:
     seeds), and whether the best rate lies at the sweep's edge."""
     tried = {arm: sorted({r["learning_rate"] for r in results["runs"] if r["arm"] == arm
                           and r["seed"] == results["seeds"][0]}) for arm in results["best_learning_rate"]}
+    metric_rates = results.get("best_metric_learning_rate", {})
+
+    def chosen(arm):  # the runs at the arm's best rate (and best metric rate, when those were swept)
+        return [r for r in results["runs"] if r["arm"] == arm and r["learning_rate"] == results[
+            "best_learning_rate"][arm] and r.get("metric_learning_rate") == metric_rates.get(arm)]
+
     summary = {}
     for arm, lr in results["best_learning_rate"].items():
-        mine = [r for r in results["runs"] if r["arm"] == arm and r["learning_rate"] == lr]
+        mine = chosen(arm)
         loss = summarise([r["eval_loss_after"] for r in mine])
         finished = [r for r in mine if r["eval_loss_after"] is not None]
         per_layer = lambda key: [summarise(column)["mean"] for column in zip(*(r[key] for r in finished))]  # noqa: E731
@@ -311,8 +353,19 @@ def summarise_scratch(results: dict) -> dict:
             "eval_loss_after_mean": loss["mean"], "eval_loss_after_std": loss["std"],
             "seconds_per_step_mean": summarise([r["seconds_per_step"] for r in mine])["mean"],
             "sweep": {r["learning_rate"]: r["eval_loss_after"] for r in results["runs"]
-                      if r["arm"] == arm and r["seed"] == results["seeds"][0]},
+                      if r["arm"] == arm and r["seed"] == results["seeds"][0] and "metric_learning_rate" not in r},
+            **({"metric_learning_rate": metric_rates.get(arm),
+                "metric_sweep": {r["metric_learning_rate"]: r["eval_loss_after"] for r in results["runs"]
+                                 if r["arm"] == arm and r["seed"] == results["seeds"][0]
+                                 and r["learning_rate"] == lr and "metric_learning_rate" in r}}
+               if "best_metric_learning_rate" in results else {}),
+            "steps": summarise([r.get("steps") for r in mine])["mean"],
             "residual_per_layer": per_layer("residual_per_layer"),
+            **({"hidden_numerical_rank_per_layer": per_layer("hidden_numerical_rank_per_layer"),
+                "at_init": {key: [summarise(column)["mean"] for column in zip(*(r["at_init"][key] for r in finished))]
+                            for key in ("residual_per_layer", "hidden_numerical_rank_per_layer",
+                                        "score_numerical_rank_per_layer")}}
+               if finished and all("at_init" in r for r in finished) else {}),  # runs recorded before these measures
             "score_numerical_rank_per_layer": per_layer("score_numerical_rank_per_layer"),
             "heads_above_gram_bound": summarise([r["heads_above_gram_bound"] for r in finished])["mean"],
             "gates": {gate: [summarise(column)["mean"] for column in zip(*(r["gates"][gate] for r in finished))]
@@ -321,12 +374,14 @@ def summarise_scratch(results: dict) -> dict:
                         for key in ((finished[0].get("proxies") or {}) if finished else {})},
         }
     if "euclidean" in summary:
-        reference = {r["seed"]: r["eval_loss_after"] for r in results["runs"] if r["arm"] == "euclidean"
-                     and r["learning_rate"] == summary["euclidean"]["learning_rate"]}
+        reference = {r["seed"]: r["eval_loss_after"] for r in chosen("euclidean")}
         for arm, row in summary.items():
-            mine = [r for r in results["runs"] if r["arm"] == arm and r["learning_rate"] == row["learning_rate"]]
-            paired = summarise([r["eval_loss_after"] - reference[r["seed"]] for r in mine
-                                if r["eval_loss_after"] is not None and reference.get(r["seed"]) is not None])
+            mine = chosen(arm)
+            differences = [r["eval_loss_after"] - reference[r["seed"]] for r in mine
+                           if r["eval_loss_after"] is not None and reference.get(r["seed"]) is not None]
+            paired = summarise(differences)
             row["loss_vs_euclidean"], row["loss_vs_euclidean_std"] = paired["mean"], paired["std"]
+            if arm != "euclidean":  # t-interval, bootstrap and the smallest detectable difference, paired by seed
+                row["loss_vs_euclidean_interval"] = paired_interval(differences)
             row["time_vs_euclidean"] = row["seconds_per_step_mean"] / summary["euclidean"]["seconds_per_step_mean"]
     return summary

@@ -69,6 +69,10 @@ class FiberBundleConfig(PreTrainedConfig):
             In training, keep only the inputs of the O(n d r) metric computations (the attention factors' generation;
             the Woodbury step where it builds its factors; the blocked kernel rebuilds G_i q_i itself) and recompute
             them in the backward: less activation memory for a few percent more time.
+        attention_only (`bool`, defaults to False):
+            Layers without their MLP sublayer (no `post_attention_layernorm`, `mlp`; needs `ffn_metric_rank=0`): each
+            layer is x <- x + attention(RMSNorm(x)), the attention-only setting of the rank-collapse studies
+            (docs/design.md section 4). For models trained from scratch; no pretrained checkpoint converts to it.
     """
 
     model_type = "fiber_bundle"
@@ -150,6 +154,9 @@ class FiberBundleConfig(PreTrainedConfig):
     fiber_attention_kernel: str = "auto"
     geometry_recompute: bool = True
 
+    # Architecture variant for the rank-collapse studies
+    attention_only: bool = False
+
     def __post_init__(self, **kwargs):
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
@@ -191,6 +198,11 @@ class FiberBundleConfig(PreTrainedConfig):
         if self.metric_rank > self.head_dim:
             raise ValueError(
                 f"FiberBundleConfig.metric_rank must be in [0, head_dim={self.head_dim}], got {self.metric_rank}."
+            )
+        if self.attention_only and self.ffn_metric_rank:
+            raise ValueError(
+                f"FiberBundleConfig.attention_only=True removes the MLP, which ffn_metric_rank={self.ffn_metric_rank} "
+                "would precondition: set ffn_metric_rank=0."
             )
         if self.ffn_metric_rank > self.hidden_size:
             raise ValueError(

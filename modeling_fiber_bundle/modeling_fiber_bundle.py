@@ -460,9 +460,10 @@ class FiberBundleDecoderLayer(GradientCheckpointingLayer):
         super().__init__()
         self.hidden_size = config.hidden_size
         self.self_attn = FiberBundleAttention(config=config, layer_idx=layer_idx)
-        self.mlp = FiberBundleMLP(config)
         self.input_layernorm = FiberBundleRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = FiberBundleRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if not config.attention_only:  # attention_only: the rank-collapse studies' layer, attention and skip alone
+            self.mlp = FiberBundleMLP(config)
+            self.post_attention_layernorm = FiberBundleRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.config = config
         if config.metric_rank > 0 or config.ffn_metric_rank > 0:
             self.fiber = FiberBundleMetric(config)
@@ -531,6 +532,8 @@ class FiberBundleDecoderLayer(GradientCheckpointingLayer):
             **kwargs,
         )
         hidden_states = residual + hidden_states
+        if self.config.attention_only:
+            return hidden_states, attn_weights, geometry
 
         residual = hidden_states
         update = self.mlp(self.post_attention_layernorm(hidden_states))

@@ -864,3 +864,30 @@ def test_resize_token_embeddings_keeps_the_tie_and_the_existing_logits():
         after = model(ids).logits
     # equal up to float64 rounding (the wider lm_head matmul blocks differently)
     torch.testing.assert_close(after[..., : TINY["vocab_size"]], before, rtol=0, atol=1e-12)
+
+
+def test_attention_only_layers_are_the_full_layers_with_a_silent_mlp(tmp_path):
+    """``attention_only=True`` (the rank-collapse studies' layer) has no MLP sublayer and computes what the full model
+    computes when its MLP adds nothing (down_proj zeroed, no MLP metric): the same logits with the metric awake, and the
+    same greedy tokens through the cache; it saves and reloads; asking for an MLP metric without an MLP is refused."""
+    full = set_gates(tiny_model(ffn_metric_rank=0))
+    only = FiberBundleForCausalLM(tiny_config(ffn_metric_rank=0, attention_only=True)).to(torch.float64)
+    assert not any(".mlp." in name or "post_attention_layernorm" in name for name, _ in only.named_parameters())
+    missing = only.load_state_dict(full.state_dict(), strict=False)
+    assert not missing.missing_keys and all(".mlp." in k or "post_attention_layernorm" in k
+                                            for k in missing.unexpected_keys)
+    with torch.no_grad():
+        for layer in full.model.layers:
+            layer.mlp.down_proj.weight.zero_()
+    ids = random_ids(2, 10)
+    with torch.no_grad():
+        torch.testing.assert_close(only(ids).logits, full(ids).logits, rtol=1e-12, atol=1e-12)
+        args = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
+        assert torch.equal(only.generate(ids[:1], **args), full.generate(ids[:1], **args))
+    only.save_pretrained(tmp_path / "only")
+    again = FiberBundleForCausalLM.from_pretrained(tmp_path / "only", dtype=torch.float64)
+    assert again.config.attention_only
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids).logits, only(ids).logits)
+    with pytest.raises(ValueError, match="attention_only=True removes the MLP, .* set ffn_metric_rank=0"):
+        tiny_config(attention_only=True)

@@ -303,3 +303,86 @@ def test_scratch_comparison_compiled_leaves_the_compilation_out_of_the_time_per_
     for run in results["runs"]:
         assert run["compile_seconds"] > 5 * run["step_seconds_median"]  # compiling takes far longer than a step
         assert run["seconds_per_step"] < run["compile_seconds"] and math.isfinite(run["eval_loss_after"])
+
+
+def test_paired_interval_on_known_differences():
+    """Differences 1..5: mean 3, s = sqrt(2.5); t_{0.975,4} = 2.7764 and t_{0.8,4} = 0.9410 (Student's t table), so the
+    t-interval is 3 -/+ 1.963 and the detectable difference 2.628; the bootstrap interval lies within the data's range;
+    symmetric differences around 0 give an interval that spans it; one difference gives no interval."""
+    from fiber_bundle.analysis.measures import paired_interval
+
+    result = paired_interval([1, 2, 3, 4, 5])
+    half = 2.7764 * math.sqrt(2.5) / math.sqrt(5)
+    assert result["mean"] == 3 and result["count"] == 5 and result["std"] == pytest.approx(math.sqrt(2.5))
+    assert result["t_interval"] == pytest.approx([3 - half, 3 + half], abs=1e-3)
+    assert result["detectable_difference"] == pytest.approx((2.7764 + 0.9410) * math.sqrt(2.5) / math.sqrt(5), abs=1e-3)
+    low, high = result["bootstrap_interval"]
+    assert 1 <= low < 3 < high <= 5 and not result["spans_zero"]
+    assert paired_interval([-1.0, 1.0, -0.5, 0.5, None])["spans_zero"]
+    single = paired_interval([0.2])
+    assert single["mean"] == 0.2 and single["t_interval"] is None and single["spans_zero"] is None
+
+
+def test_attention_only_study_measures_collapse_before_and_after(tmp_path, capsys):
+    """``analyze scratch`` over attention-only models (``attention_only=True``): the Euclidean twin is the metric-off
+    model (no MLP to widen, fewer parameters), every run records the residual, the hidden states' numerical rank at
+    every depth and the score ranks both at initialisation and after training, and the summary carries them with the
+    paired interval; an MLP metric asked for without an MLP is refused by the command with the fix."""
+    from fiber_bundle.analysis import scratch
+
+    config = scratch_config({**TINY_SCRATCH, "attention_only": True, "ffn_metric_rank": 0}, byte_tokenizer())
+    twin = scratch.equal_parameter_twin(config)
+    assert twin.attention_only and twin.metric_rank == 0
+    assert scratch.parameter_count(twin) < scratch.parameter_count(config)
+    root = fake_stdlib(tmp_path / "lib", modules=30)
+    results = scratch.run_scratch_comparison(
+        tmp_path / "out", seeds=(0, 1), learning_rates=(1e-2,), arms=("euclidean", "strong-10"), strong=(10.0,),
+        model_fields={**TINY_SCRATCH, "num_hidden_layers": 3, "attention_only": True, "ffn_metric_rank": 0},
+        max_steps=2, batch_size=2, block_size=32, eval_blocks=4, eval_every=2, warmup_steps=0, probe_blocks=2,
+        corpus_root=root, progress=False)
+    for run in results["runs"]:
+        for record in (run, run["at_init"]):
+            assert len(record["residual_per_layer"]) == len(record["hidden_numerical_rank_per_layer"]) == 4
+            assert all(1 <= rank <= 32 for rank in record["hidden_numerical_rank_per_layer"])  # n = 32 tokens, D = 32
+        assert run["at_init"]["residual_per_layer"] != run["residual_per_layer"]  # trained in between
+    strong = results["summary"]["strong-10"]
+    assert len(strong["at_init"]["hidden_numerical_rank_per_layer"]) == 4
+    assert strong["loss_vs_euclidean_interval"]["count"] == 2 and len(strong["loss_vs_euclidean_interval"]["t_interval"]) == 2
+    assert "loss_vs_euclidean_interval" not in results["summary"]["euclidean"]
+    assert main(["analyze", "scratch", "--out", str(tmp_path / "refused"), "--attention-only",
+                 "--ffn-metric-rank", "2"]) == 1
+    assert "attention_only=True removes the MLP" in capsys.readouterr().err
+
+
+def test_scratch_study_sweeps_the_metric_rate_and_gives_arms_their_own_steps(tmp_path, monkeypatch):
+    """``metric_rate_ratios``: after the rate sweep the metric's own rate (best rate x ratio) is tried on the first seed
+    and the best pair re-run on the other, reaching the Trainer as ``metric_learning_rate``; the Euclidean arm keeps one
+    rate. ``steps_by_arm``: each arm trains its own number of steps (equal wall time); an arm not compared is refused.
+    A rerun trains nothing."""
+    from fiber_bundle.analysis import scratch
+    from fiber_bundle.training import trainer
+
+    calls = []
+    original = trainer.train_model
+    monkeypatch.setattr(trainer, "train_model", lambda *a, **k: calls.append(k) or original(*a, **k))
+    root = fake_stdlib(tmp_path / "lib", modules=30)
+    settings = dict(seeds=(0, 1), learning_rates=(1e-2,), arms=("euclidean", "strong-10"), strong=(10.0,),
+                    model_fields=dict(TINY_SCRATCH), max_steps=3, batch_size=2, block_size=32, eval_blocks=4,
+                    eval_every=2, warmup_steps=0, probe_blocks=2, corpus_root=root, progress=False,
+                    metric_rate_ratios=(1.0, 3.0), steps_by_arm={"euclidean": 4})
+    results = scratch.run_scratch_comparison(tmp_path / "out", **settings)
+    strong = [r for r in results["runs"] if r["arm"] == "strong-10"]
+    assert sorted((r["seed"], r.get("metric_learning_rate") or 0.0) for r in strong)[:2] == [(0, 0.0), (0, 0.03)]
+    assert {k.get("metric_learning_rate") for k in calls} == {None, 0.03}
+    assert all(r["steps"] == 4 for r in results["runs"] if r["arm"] == "euclidean")
+    assert all(r["steps"] == 3 for r in strong) and len(calls) == 2 + 3
+    best = results["best_metric_learning_rate"]["strong-10"]
+    assert best in (None, 0.03) and results["best_metric_learning_rate"]["euclidean"] is None
+    row = results["summary"]["strong-10"]
+    assert row["metric_learning_rate"] == best and set(row["metric_sweep"]) == {0.03}
+    assert row["seeds"] == 2 and all(r.get("metric_learning_rate") == best for r in strong if r["seed"] == 1)
+    assert results["summary"]["euclidean"]["steps"] == 4 and row["steps"] == 3
+    scratch.run_scratch_comparison(tmp_path / "out", **settings)
+    assert len(calls) == 5  # everything was on disk
+    with pytest.raises(ValueError, match=r"steps given for arm\(s\) \['gates-0'\] that are not compared"):
+        scratch.run_scratch_comparison(tmp_path / "other", **{**settings, "steps_by_arm": {"gates-0": 2}})
