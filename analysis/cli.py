@@ -65,7 +65,8 @@ def _scratch(args) -> int:
                                      eval_blocks=args.eval_blocks, eval_every=args.eval_every,
                                      warmup_steps=args.warmup_steps, max_extensions=args.max_extensions,
                                      compile=args.compile, metric_rate_ratios=args.metric_rate_ratios,
-                                     steps_by_arm=dict(args.steps_by_arm) if args.steps_by_arm else None)
+                                     steps_by_arm=dict(args.steps_by_arm) if args.steps_by_arm else None,
+                                     reuse_from=args.reuse_runs)
     print(f"{results['budget']['tokens']:,} tokens per run, {len(results['seeds'])} seeds, held-out "
           f"{results['eval_blocks']} x {results['budget']['block_size']} bytes")
     for arm, row in results["summary"].items():
@@ -317,6 +318,9 @@ def analyze_parser() -> argparse.ArgumentParser:
     scratch.add_argument("--steps-by-arm", type=_arm_steps, nargs="+", default=None, metavar="ARM=STEPS",
                          help="an arm's own number of steps (equal wall time: the steps its measured time per step "
                               "allows in the budget); other arms run --max-steps")
+    scratch.add_argument("--reuse-runs", nargs="+", default=(), metavar="FOLDER",
+                         help="other studies' --out folders: their finished runs that this study would repeat exactly "
+                              "(same model, data, budget, arm, steps, rates and seed) are taken over, not trained again")
     scratch.add_argument("--attention-only", action="store_true",
                          help="layers without their MLP (x <- x + attention(RMSNorm(x))), the rank-collapse setting; "
                               "the Euclidean twin then has fewer parameters (no MLP to widen)")

@@ -177,6 +177,7 @@ def run_scratch_comparison(
     compile: bool = False,
     metric_rate_ratios=None,
     steps_by_arm: dict | None = None,
+    reuse_from=(),
 ) -> dict:
     """Sweep each arm's learning rate on ``seeds[0]`` (``learning_rates``, extended by up to ``max_extensions`` grid
     steps while the best rate lies at an edge), re-run the best on every seed; write ``scratch.json`` after every
@@ -186,8 +187,11 @@ def run_scratch_comparison(
     (``metric_learning_rate`` = best rate x ratio, each ratio tried on ``seeds[0]``, the one-rate run counting as
     ratio 1) and the best pair is re-run on every seed; the Euclidean arm has no metric and keeps one rate.
     ``steps_by_arm``: each named arm's own number of steps (an equal-time comparison gives each arm the steps its
-    time per step allows in one budget), ``max_steps`` for the others. Returns the results (``summary``: per arm, the best rate's final held-out loss
-    mean ± std, its difference to the Euclidean arm paired by seed, time per step, residual per layer, ...)."""
+    time per step allows in one budget), ``max_steps`` for the others. ``reuse_from``: other studies' folders (or
+    ``scratch.json`` files) whose finished runs this study would repeat exactly (``reusable_runs``) are taken over
+    instead of trained again, each marked ``reused_from``. Returns the results (``summary``: per arm, the best rate's
+    final held-out loss mean ± std, its difference to the Euclidean arm paired by seed, time per step, residual per
+    layer, ...)."""
     from tqdm.auto import tqdm
 
     from fiber_bundle.training.scratch import byte_tokenizer, fresh_model
@@ -237,10 +241,18 @@ def run_scratch_comparison(
             raise ValueError(f"{path} holds a comparison with other settings; pass another --out, or delete it to "
                              "start again.")
 
+    reusable = reusable_runs(settings, reuse_from)
+
     def run(arm: str, lr: float, seed: int, metric_lr: float | None = None) -> dict:
         for done in results["runs"]:
             if (done["arm"], done["learning_rate"], done["seed"], done.get("metric_learning_rate")) == (
                     arm, lr, seed, metric_lr):
+                return done
+        for done in reusable:
+            if (done["arm"], done["learning_rate"], done["seed"], done.get("metric_learning_rate")) == (
+                    arm, lr, seed, metric_lr):
+                results["runs"].append(done)
+                write_json(path, results)
                 return done
         steps = (steps_by_arm or {}).get(arm, max_steps)
         if compile:  # each run compiles its own model afresh: a model of another shape after the first would be
@@ -326,6 +338,48 @@ def run_scratch_comparison(
     write_json(path, results)
     plot_scratch(results, output_dir / "scratch.png")
     return results
+
+
+# Settings that choose which runs a study makes, not what one run is: a run of another study that differs only in these
+# is the same run (the thread count changes only the order of floating-point sums).
+_STUDY_ONLY = ("arms", "seeds", "learning_rates", "max_extensions", "metric_rate_ratios", "steps_by_arm", "threads")
+
+
+def _steps_of(settings: dict, arm: str) -> int:
+    return (settings.get("steps_by_arm") or {}).get(arm, settings["budget"]["steps"])
+
+
+def reusable_runs(settings: dict, sources) -> list[dict]:
+    """The finished runs of other studies (``sources``: folders or ``scratch.json`` paths) that a study of
+    ``settings`` would repeat exactly: same model, data, budget and held-out blocks, the arm configured alike and given
+    the same number of steps (its rate, metric rate and seed are matched run by run). Each comes back marked
+    ``reused_from``. A source that is missing, or whose model, data or budget differ, is refused with the differences
+    named (reuse is asked for on purpose; a silent no-op would train everything again)."""
+    import json
+
+    found = []
+    for source in sources or ():
+        path = Path(source)
+        path = path / "scratch.json" if path.is_dir() else path
+        if not path.is_file():
+            raise FileNotFoundError(f"no study to reuse at {source}: expected a folder holding scratch.json (an "
+                                    "'analyze scratch --out' folder) or the scratch.json file itself.")
+        other = json.loads(path.read_text())
+        budget = lambda s: {k: v for k, v in s.get("budget", {}).items() if k not in ("steps", "tokens")}  # noqa: E731
+        differ = sorted(key for key in set(settings) | set(other)
+                        if key not in (*_STUDY_ONLY, "budget", "runs", "summary", "best_learning_rate",
+                                       "best_metric_learning_rate") and settings.get(key) != other.get(key))
+        differ += ["budget"] if budget(settings) != budget(other) else []
+        if differ:
+            raise ValueError(f"cannot reuse the runs of {path}: these settings differ from this study's: "
+                             f"{', '.join(differ)}; reuse only a study of the same model, data and budget.")
+        for record in other.get("runs", []):
+            arm = record["arm"]
+            steps = _steps_of(settings, arm) if arm in settings["arms"] else None
+            if other["arms"].get(arm) == settings["arms"].get(arm) and _steps_of(other, arm) == steps == record.get(
+                    "steps"):
+                found.append({**record, "reused_from": record.get("reused_from", str(path))})
+    return found
 
 
 def summarise_scratch(results: dict) -> dict:

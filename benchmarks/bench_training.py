@@ -10,6 +10,9 @@ the CPU with ``--threads`` threads. Cases:
 - ``small``: the from-scratch ``small`` preset (4 x 192, byte vocabulary, r = r_f = 2, m = 32) at the ``strong-1``
   start (alpha = gamma = 1) against its equal-parameter Euclidean twin (metric off, MLP widened:
   ``analysis.scratch.equal_parameter_twin``), batch 16 x 128: the comparison of docs/results.md section 7;
+- ``medium``: the ``small`` preset widened and deepened to 6 x 256 (8 heads, MLP 768), the larger size of docs/results.md
+  section 7's study (``analyze scratch --layers 6 --width 256 --heads 8 --intermediate-size 768``), the same way and
+  batch;
 - ``base-512``: the ``base`` preset (8 x 384, m = 64) the same way, batch 2 x 512;
 - ``smollm2-512`` / ``smollm2-2048``: SmolLM2-135M's shape, the fibre model loaded with the LLaMA backbone's weights
   and its geometry woken (``common.build_fiber``), batch 1, against that ``LlamaForCausalLM`` (sdpa); the fibre model
@@ -43,6 +46,7 @@ from common import (
 )
 
 
+MEDIUM = dict(num_hidden_layers=6, hidden_size=256, num_attention_heads=8, intermediate_size=768)  # over "small"
 SCRATCH_VOCAB = dict(vocab_size=258, bos_token_id=256, eos_token_id=256, pad_token_id=257)
 TARGETS = {  # (case, model, mode) -> largest ratio asked for by issue 24 (reported, not asserted)
     ("small", "fibre", "compiled"): 1.15,
@@ -68,8 +72,9 @@ def scratch_pair(preset: dict, quick: bool):
     config = FiberBundleConfig(**fields)
     torch.manual_seed(0)
     fibre = FiberBundleForCausalLM(config)
-    torch.manual_seed(0)
-    twin = FiberBundleForCausalLM(equal_parameter_twin(config))
+    torch.manual_seed(0)  # the twin as analyze scratch builds it: from the model at its default gates (none exist in it)
+    plain = {k: v for k, v in fields.items() if k not in ("metric_gate_init", "flatness_gate_init")}
+    twin = FiberBundleForCausalLM(equal_parameter_twin(FiberBundleConfig(**plain)))
     return {"backbone": twin, "fibre": fibre}
 
 
@@ -78,9 +83,9 @@ def build_case(name: str, quick: bool):
     from fiber_bundle.training.scratch import PRESETS
 
     gen = torch.Generator().manual_seed(0)
-    if name in ("small", "base-512"):
-        preset = PRESETS["small" if name == "small" else "base"]
-        batch, length = ((16, 128) if name == "small" else (2, 512)) if not quick else (2, 32)
+    if name in ("small", "medium", "base-512"):
+        preset = {"small": PRESETS["small"], "medium": {**PRESETS["small"], **MEDIUM}, "base-512": PRESETS["base"]}[name]
+        batch, length = ((2, 512) if name == "base-512" else (16, 128)) if not quick else (2, 32)
         models = scratch_pair(preset, quick)
         ids = torch.randint(0, 256, (batch, length), generator=gen)
         return models, ids, {"backbone": "full", "fibre": "full"}
@@ -92,7 +97,7 @@ def build_case(name: str, quick: bool):
         models = {"backbone": backbone, "fibre": fibre, "fibre metric-only": copy.deepcopy(fibre)}
         ids = torch.randint(3, shape["vocab_size"], (1, length), generator=gen)
         return models, ids, {"backbone": "full", "fibre": "full", "fibre metric-only": "metric-only"}
-    raise SystemExit(f"unknown case {name!r}: choose from small, base-512, smollm2-512, smollm2-2048")
+    raise SystemExit(f"unknown case {name!r}: choose from small, medium, base-512, smollm2-512, smollm2-2048")
 
 
 def stepper(model, ids, mode: str):
@@ -195,7 +200,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", nargs="+", default=["small"],
-                        help="small, base-512, smollm2-512, smollm2-2048 (default: small)")
+                        help="small, medium, base-512, smollm2-512, smollm2-2048 (default: small)")
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds per mode (default 6, 2 with --quick)")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="time the eager steps only")

@@ -53,6 +53,31 @@ def test_a_model_at_its_graft_is_refused_and_rank_0_equals_the_backbone():
     assert common.check_awake(common.build_fiber(shape, 0, backbone), backbone, shape) <= 1e-5
 
 
+@pytest.mark.parametrize("case, fields", [
+    ("small", {}),
+    ("medium", dict(num_hidden_layers=6, hidden_size=256, num_attention_heads=8, intermediate_size=768)),
+])
+def test_training_benchmark_times_the_models_the_from_scratch_study_trains(case, fields, monkeypatch):
+    """The equal-time study gives the Euclidean arm the steps that bench_training.py's compiled step ratio allows: the
+    pair it times must be the study's strong-1 model and its Euclidean twin (``analyze scratch`` with ``fields``),
+    field by field (the context length aside, which only sizes the rotary table)."""
+    from fiber_bundle.analysis.scratch import DEFAULT_MODEL, arm_configs
+    from fiber_bundle.training.scratch import byte_tokenizer
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location("bench_training", BENCHMARKS / "bench_training.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    with torch.device("meta"):
+        models, ids, _ = bench.build_case(case, quick=False)
+    study = arm_configs({**DEFAULT_MODEL, **fields}, byte_tokenizer(), strong=(1.0,))
+    assert tuple(ids.shape) == (16, 128)  # the study's batch: 16 blocks of 128 bytes
+    for label, arm in (("fibre", "strong-1"), ("backbone", "euclidean")):
+        timed, trained = models[label].config.to_dict(), study[arm].to_dict()
+        differ = {k for k in set(timed) | set(trained) if timed.get(k) != trained.get(k)}
+        assert differ <= {"max_position_embeddings", "use_cache", "transformers_version"}, (label, differ)
+
+
 def run_script(name, *args, timeout=600):
     return subprocess.run([sys.executable, str(BENCHMARKS / name), *args], capture_output=True, text=True,
                           timeout=timeout, cwd=BENCHMARKS.parent)

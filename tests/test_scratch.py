@@ -386,3 +386,39 @@ def test_scratch_study_sweeps_the_metric_rate_and_gives_arms_their_own_steps(tmp
     assert len(calls) == 5  # everything was on disk
     with pytest.raises(ValueError, match=r"steps given for arm\(s\) \['gates-0'\] that are not compared"):
         scratch.run_scratch_comparison(tmp_path / "other", **{**settings, "steps_by_arm": {"gates-0": 2}})
+
+
+def test_scratch_study_reuses_the_runs_another_study_already_made(tmp_path, monkeypatch):
+    """``reuse_from``: an equal-time study that changes only the Euclidean arm's steps takes the other arm's finished
+    runs from the equal-token study (marked ``reused_from``) and trains only the Euclidean runs; a study of other data or
+    budget, or a missing folder, is refused with the reason."""
+    from fiber_bundle.analysis import scratch
+    from fiber_bundle.training import trainer
+
+    calls = []
+    original = trainer.train_model
+    monkeypatch.setattr(trainer, "train_model", lambda *a, **k: calls.append(k["max_steps"]) or original(*a, **k))
+    root = fake_stdlib(tmp_path / "lib", modules=30)
+    settings = dict(seeds=(0, 1), learning_rates=(1e-2,), arms=("euclidean", "strong-10"), strong=(10.0,),
+                    model_fields=dict(TINY_SCRATCH), max_steps=3, batch_size=2, block_size=32, eval_blocks=4,
+                    eval_every=2, warmup_steps=0, probe_blocks=2, corpus_root=root, progress=False)
+    tokens = scratch.run_scratch_comparison(tmp_path / "tokens", **settings)
+    assert calls == [3, 3, 3, 3]
+    timed = scratch.run_scratch_comparison(tmp_path / "time", **settings, steps_by_arm={"euclidean": 5},
+                                           reuse_from=[tmp_path / "tokens"])
+    assert calls[4:] == [5, 5]  # only the Euclidean arm, at its own steps, trained again
+    strong = [r for r in timed["runs"] if r["arm"] == "strong-10"]
+    assert len(strong) == 2 and all(r["reused_from"] == str(tmp_path / "tokens" / "scratch.json") for r in strong)
+    assert [r["eval_loss_after"] for r in strong] == [r["eval_loss_after"] for r in tokens["runs"]
+                                                     if r["arm"] == "strong-10"]
+    assert all("reused_from" not in r and r["steps"] == 5 for r in timed["runs"] if r["arm"] == "euclidean")
+    assert timed["summary"]["strong-10"]["seeds"] == 2 and timed["summary"]["euclidean"]["steps"] == 5
+    again = scratch.run_scratch_comparison(tmp_path / "again", **settings,
+                                           reuse_from=[tmp_path / "time" / "scratch.json", tmp_path / "tokens"])
+    assert len(calls) == 6  # every run of the equal-token design is in the first two studies
+    assert {r["reused_from"] for r in again["runs"]} == {str(tmp_path / "tokens" / "scratch.json")}
+    with pytest.raises(ValueError, match="cannot reuse the runs of .*: these settings differ from this study's: budget"):
+        scratch.run_scratch_comparison(tmp_path / "other", **{**settings, "batch_size": 4},
+                                       reuse_from=[tmp_path / "tokens"])
+    with pytest.raises(FileNotFoundError, match="no study to reuse at .*missing"):
+        scratch.run_scratch_comparison(tmp_path / "other", **settings, reuse_from=[tmp_path / "missing"])
