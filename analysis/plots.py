@@ -148,12 +148,15 @@ def plot_compare(results: dict, path: str | Path) -> Path:
 
 
 def plot_scratch(results: dict, path: str | Path) -> Path:
-    """From-scratch comparison: held-out loss curves at each arm's best rate (mean over seeds, min-max band), the
-    learning-rate sweep (first seed), the rank-collapse residual per layer and the learned alpha per layer."""
-    fig, (ax_curve, ax_sweep, ax_residual, ax_alpha) = figure(ncols=2, nrows=2)
+    """From-scratch comparison: held-out loss curves at each arm's chosen rates (mean over seeds, min-max band), the
+    learning-rate sweep (first seed), the rank-collapse residual and the hidden states' numerical rank at every depth
+    after training (solid) and at initialisation (dashed, where recorded), and the learned alpha per layer."""
+    fig, (ax_curve, ax_sweep, ax_residual, ax_rank, ax_alpha, ax_spare) = figure(ncols=2, nrows=3)
+    ax_spare.axis("off")
     summary = results["summary"]
     for colour, (arm, row) in enumerate(summary.items()):
         runs = [r for r in results["runs"] if r["arm"] == arm and r["learning_rate"] == row["learning_rate"]
+                and r.get("metric_learning_rate") == row.get("metric_learning_rate")
                 and r["eval_loss_after"] is not None]
         label = (f"{arm} (lr {row['learning_rate']:g}): {row['eval_loss_after_mean']:.4f} ± "
                  f"{row['eval_loss_after_std']:.4f}" if row["eval_loss_after_mean"] is not None else arm)
@@ -165,8 +168,12 @@ def plot_scratch(results: dict, path: str | Path) -> Path:
                                   alpha=0.2)
         sweep = sorted((float(lr), loss) for lr, loss in row["sweep"].items() if loss is not None)
         ax_sweep.plot([lr for lr, _ in sweep], [loss for _, loss in sweep], "o-", color=f"C{colour}", label=arm)
-        layers = range(len(row["residual_per_layer"]))
-        ax_residual.plot(layers, row["residual_per_layer"], "o-", color=f"C{colour}", label=arm)
+        at_init = row.get("at_init", {})
+        for axis, key in ((ax_residual, "residual_per_layer"), (ax_rank, "hidden_numerical_rank_per_layer")):
+            if row.get(key):
+                axis.plot(range(len(row[key])), row[key], "o-", color=f"C{colour}", label=f"{arm}, trained")
+            if at_init.get(key):
+                axis.plot(range(len(at_init[key])), at_init[key], "--", color=f"C{colour}", label=f"{arm}, at init")
         if row["gates"].get("alpha"):
             ax_alpha.plot(range(len(row["gates"]["alpha"])), row["gates"]["alpha"], "o-", color=f"C{colour}",
                           label=arm)
@@ -182,6 +189,9 @@ def plot_scratch(results: dict, path: str | Path) -> Path:
     ax_residual.set_xlabel("depth (0: embeddings)")
     ax_residual.set_ylabel("relative residual ||X - 1x^T|| / ||X||")
     ax_residual.legend(fontsize=7)
+    ax_rank.set_xlabel("depth (0: embeddings)")
+    ax_rank.set_ylabel("hidden states' numerical rank")
+    ax_rank.legend(fontsize=7)
     ax_alpha.set_xlabel("layer")
     ax_alpha.set_ylabel("learned alpha (mean over heads and seeds)")
     ax_alpha.legend(fontsize=7)

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from .measures import numerical_rank, paired_interval, summarise
+from .measures import energy_effective_rank, numerical_rank, paired_interval, summarise
 from .output import write_json
 
 STRONG = (1.0, 10.0)  # alpha at the strong starts (gamma = 1)
@@ -115,8 +115,12 @@ def measure_trained(model, eval_ids: torch.Tensor) -> dict:
     rank = intrinsic_rank(exact, eval_ids)
     # numerical rank (rtol 1e-10) of each held-out block's hidden states (n x D) entering every layer and leaving the
     # last, mean over blocks: rank collapse drives it to 1
-    hidden_rank = [numerical_rank(states).double().mean().item() for states in residual_stream(exact, eval_ids)]
-    del exact
+    stream = residual_stream(exact, eval_ids)
+    hidden_rank = [numerical_rank(states).double().mean().item() for states in stream]
+    # the same states' energy effective rank (singular values holding 90 % of the energy, not centred: X = 1x^T has
+    # rank 1): numerical rank stays full unless collapse is exact, the energy rank shows how far towards it X has gone
+    hidden_energy = [energy_effective_rank(states, threshold=0.9).double().mean().item() for states in stream]
+    del exact, stream
     gates = {}
     for key, value in gate_values(model).items():  # geometry/layer{i}/{alpha,gamma,beta}
         _, layer, gate = key.split("/")
@@ -125,6 +129,7 @@ def measure_trained(model, eval_ids: torch.Tensor) -> dict:
         "residual_per_layer": [row["mean"] for row in collapse["per_depth"]],
         "residual_per_layer_without_first_token": [row["mean"] for row in collapse["per_depth_without_first_token"]],
         "hidden_numerical_rank_per_layer": hidden_rank,
+        "hidden_energy_rank_per_layer": hidden_energy,
         "score_numerical_rank_per_layer": [sum(layer["score_numerical_rank"]) / len(layer["score_numerical_rank"])
                                            for layer in rank["layers"]],
         "heads_above_gram_bound": rank["summary"]["heads_above_gram_bound"], "heads": rank["summary"]["heads"],
@@ -418,8 +423,11 @@ def summarise_scratch(results: dict) -> dict:
             **({"hidden_numerical_rank_per_layer": per_layer("hidden_numerical_rank_per_layer"),
                 "at_init": {key: [summarise(column)["mean"] for column in zip(*(r["at_init"][key] for r in finished))]
                             for key in ("residual_per_layer", "hidden_numerical_rank_per_layer",
-                                        "score_numerical_rank_per_layer")}}
+                                        "hidden_energy_rank_per_layer", "score_numerical_rank_per_layer")
+                            if all(key in r["at_init"] for r in finished)}}
                if finished and all("at_init" in r for r in finished) else {}),  # runs recorded before these measures
+            **({"hidden_energy_rank_per_layer": per_layer("hidden_energy_rank_per_layer")}
+               if finished and all("hidden_energy_rank_per_layer" in r for r in finished) else {}),
             "score_numerical_rank_per_layer": per_layer("score_numerical_rank_per_layer"),
             "heads_above_gram_bound": summarise([r["heads_above_gram_bound"] for r in finished])["mean"],
             "gates": {gate: [summarise(column)["mean"] for column in zip(*(r["gates"][gate] for r in finished))]

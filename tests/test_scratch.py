@@ -325,8 +325,8 @@ def test_paired_interval_on_known_differences():
 
 def test_attention_only_study_measures_collapse_before_and_after(tmp_path, capsys):
     """``analyze scratch`` over attention-only models (``attention_only=True``): the Euclidean twin is the metric-off
-    model (no MLP to widen, fewer parameters), every run records the residual, the hidden states' numerical rank at
-    every depth and the score ranks both at initialisation and after training, and the summary carries them with the
+    model (no MLP to widen, fewer parameters), every run records the residual, the hidden states' numerical and energy
+    ranks at every depth and the score ranks both at initialisation and after training, and the summary carries them with the
     paired interval; an MLP metric asked for without an MLP is refused by the command with the fix."""
     from fiber_bundle.analysis import scratch
 
@@ -344,9 +344,14 @@ def test_attention_only_study_measures_collapse_before_and_after(tmp_path, capsy
         for record in (run, run["at_init"]):
             assert len(record["residual_per_layer"]) == len(record["hidden_numerical_rank_per_layer"]) == 4
             assert all(1 <= rank <= 32 for rank in record["hidden_numerical_rank_per_layer"])  # n = 32 tokens, D = 32
+            # 90 % of the energy never needs more directions than the numerical rank holds
+            assert all(1 <= energy <= rank for energy, rank in zip(record["hidden_energy_rank_per_layer"],
+                                                                   record["hidden_numerical_rank_per_layer"]))
         assert run["at_init"]["residual_per_layer"] != run["residual_per_layer"]  # trained in between
     strong = results["summary"]["strong-10"]
     assert len(strong["at_init"]["hidden_numerical_rank_per_layer"]) == 4
+    assert len(strong["at_init"]["hidden_energy_rank_per_layer"]) == len(strong["hidden_energy_rank_per_layer"]) == 4
+    assert (tmp_path / "out" / "scratch.png").stat().st_size > 10_000
     assert strong["loss_vs_euclidean_interval"]["count"] == 2 and len(strong["loss_vs_euclidean_interval"]["t_interval"]) == 2
     assert "loss_vs_euclidean_interval" not in results["summary"]["euclidean"]
     assert main(["analyze", "scratch", "--out", str(tmp_path / "refused"), "--attention-only",
