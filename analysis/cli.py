@@ -72,6 +72,10 @@ def _scratch(args) -> int:
     for arm, row in results["summary"].items():
         versus = (f", vs euclidean {row['loss_vs_euclidean']:+.4f} ± {row['loss_vs_euclidean_std']:.4f}"
                   if row.get("loss_vs_euclidean") is not None and arm != "euclidean" else "")
+        for key, which in (("loss_vs_euclidean_interval", "95 %"),
+                           ("loss_vs_euclidean_interval_without_sweep_seed", "95 % without the sweep seed")):
+            interval = (row.get(key) or {}).get("t_interval")
+            versus += f", {which} [{interval[0]:+.4f}, {interval[1]:+.4f}]" if interval else ""
         loss = ("diverged" if row["eval_loss_after_mean"] is None else
                 f"{row['eval_loss_after_mean']:.4f} ± {row['eval_loss_after_std']:.4f}")
         metric = f", metric lr {row['metric_learning_rate']:g}" if row.get("metric_learning_rate") else ""

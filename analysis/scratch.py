@@ -439,11 +439,15 @@ def summarise_scratch(results: dict) -> dict:
         reference = {r["seed"]: r["eval_loss_after"] for r in chosen("euclidean")}
         for arm, row in summary.items():
             mine = chosen(arm)
-            differences = [r["eval_loss_after"] - reference[r["seed"]] for r in mine
-                           if r["eval_loss_after"] is not None and reference.get(r["seed"]) is not None]
+            pairs = [(r["seed"], r["eval_loss_after"] - reference[r["seed"]]) for r in mine
+                     if r["eval_loss_after"] is not None and reference.get(r["seed"]) is not None]
+            differences = [difference for _, difference in pairs]
             paired = summarise(differences)
             row["loss_vs_euclidean"], row["loss_vs_euclidean_std"] = paired["mean"], paired["std"]
             if arm != "euclidean":  # t-interval, bootstrap and the smallest detectable difference, paired by seed
                 row["loss_vs_euclidean_interval"] = paired_interval(differences)
+                # the rates were chosen on the first seed, which favours the arms on it: the seeds that chose nothing
+                row["loss_vs_euclidean_interval_without_sweep_seed"] = paired_interval(
+                    [difference for seed, difference in pairs if seed != results["seeds"][0]])
             row["time_vs_euclidean"] = row["seconds_per_step_mean"] / summary["euclidean"]["seconds_per_step_mean"]
     return summary

@@ -354,6 +354,9 @@ def test_attention_only_study_measures_collapse_before_and_after(tmp_path, capsy
     assert (tmp_path / "out" / "scratch.png").stat().st_size > 10_000
     assert strong["loss_vs_euclidean_interval"]["count"] == 2 and len(strong["loss_vs_euclidean_interval"]["t_interval"]) == 2
     assert "loss_vs_euclidean_interval" not in results["summary"]["euclidean"]
+    seed_1 = {r["arm"]: r["eval_loss_after"] for r in results["runs"] if r["seed"] == 1}
+    without = strong["loss_vs_euclidean_interval_without_sweep_seed"]  # seed 0 chose the rates: left out
+    assert without["count"] == 1 and without["mean"] == pytest.approx(seed_1["strong-10"] - seed_1["euclidean"])
     assert main(["analyze", "scratch", "--out", str(tmp_path / "refused"), "--attention-only",
                  "--ffn-metric-rank", "2"]) == 1
     assert "attention_only=True removes the MLP" in capsys.readouterr().err
@@ -427,3 +430,31 @@ def test_scratch_study_reuses_the_runs_another_study_already_made(tmp_path, monk
                                        reuse_from=[tmp_path / "tokens"])
     with pytest.raises(FileNotFoundError, match="no study to reuse at .*missing"):
         scratch.run_scratch_comparison(tmp_path / "other", **settings, reuse_from=[tmp_path / "missing"])
+
+
+def test_analyze_scratch_command_prints_the_paired_intervals_and_reuses_runs(tmp_path, monkeypatch, capsys):
+    """The command over a stand-in library: each arm's line carries the paired 95 % interval with and without the
+    seed that chose the rates; ``--steps-by-arm`` with ``--reuse-runs`` trains only the lengthened arm."""
+    from fiber_bundle.training import data, trainer
+
+    root_ = fake_stdlib(tmp_path / "lib", modules=30)  # the command reads this Python's library: a stand-in instead
+    original_corpus = data.stdlib_corpus
+    monkeypatch.setattr(data, "stdlib_corpus", lambda seed=0, root=None: original_corpus(seed=seed, root=root_))
+    calls = []
+    original = trainer.train_model
+    monkeypatch.setattr(trainer, "train_model", lambda *a, **k: calls.append(k["max_steps"]) or original(*a, **k))
+    shape = ["--layers", "2", "--width", "32", "--intermediate-size", "64", "--heads", "4", "--kv-heads", "2",
+             "--metric-hidden", "8"]
+    study = ["analyze", "scratch", *shape, "--arms", "euclidean", "strong-10", "--strong-alphas", "10", "--seeds", "0",
+             "1", "2", "--learning-rates", "1e-2", "--max-steps", "2", "--batch-size", "2", "--block-size", "32",
+             "--eval-blocks", "4", "--eval-every", "2", "--warmup-steps", "0"]
+    assert main([*study, "--out", str(tmp_path / "tokens")]) == 0
+    out = capsys.readouterr().out
+    strong = next(line for line in out.splitlines() if line.strip().startswith("strong-10"))
+    assert "vs euclidean" in strong and "95 % [" in strong and "95 % without the sweep seed [" in strong
+    assert calls == [2] * 6
+    assert main([*study, "--out", str(tmp_path / "time"), "--steps-by-arm", "euclidean=3",
+                 "--reuse-runs", str(tmp_path / "tokens")]) == 0
+    assert calls[6:] == [3, 3, 3]  # the strong arm's runs came from the first study
+    results = json.loads((tmp_path / "time" / "scratch.json").read_text())
+    assert sum("reused_from" in r for r in results["runs"]) == 3
