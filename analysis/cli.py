@@ -35,8 +35,10 @@ def _optimizers(args) -> int:
                                        max_steps=args.max_steps, batch_size=args.batch_size,
                                        block_size=args.block_size, max_eval_blocks=args.eval_blocks,
                                        adamw_learning_rate=args.adamw_learning_rate,
-                                       max_extensions=args.max_extensions)
-    print(f"{args.mode}, token budget {results['budget']['tokens']:,} per run, held-out loss before "
+                                       max_extensions=args.max_extensions, from_scratch=args.from_scratch,
+                                       compile=args.compile, warmup_steps=args.warmup_steps)
+    task = f"from scratch ({args.from_scratch}, W_Q / W_K pairs)" if args.from_scratch else results["mode"]
+    print(f"{task}, token budget {results['budget']['tokens']:,} per run, held-out loss before "
           f"{results['eval_loss_before']:.4f}")
     for name, row in results["summary"].items():
         loss = "diverged" if row["eval_loss_after_mean"] is None else \
@@ -44,6 +46,9 @@ def _optimizers(args) -> int:
         edge = " (best rate at the grid's edge)" if row["at_grid_edge"] else ""
         if row.get("loss_vs_adamw") is not None:
             loss += f", minus AdamW {row['loss_vs_adamw']:+.4f} ± {row['loss_vs_adamw_std']:.4f} (paired by seed)"
+        for key, which in (("loss_vs_adamw_interval", "95 %"), ("loss_vs_plain_interval", "minus its plain geometry")):
+            interval = (row.get(key) or {}).get("t_interval")
+            loss += f", {which} [{interval[0]:+.4f}, {interval[1]:+.4f}]" if interval else ""
         print(f"  {name:20s} lr {row['learning_rate']:.3g}{edge}: eval loss {loss} ({row['seeds']} seeds), "
               f"{row['seconds_per_step_mean']:.2f} s/step ({row.get('time_vs_adamw', float('nan')):.2f} x AdamW)")
     print(f"-> {Path(args.out) / 'optimizers.json'}")
@@ -187,8 +192,9 @@ SUBCOMMANDS = {
         "For each optimiser: a learning-rate sweep on the first seed (a grid, extended while the best rate is at its "
         "edge, then the geometric midpoints around the best), the best rate re-run on every seed; held-out eval loss "
         "(mean ± std, and minus AdamW's paired by seed) and seconds per step relative to AdamW. The Riemannian "
-        "optimisers train the factored pairs; the other parameters use AdamW at AdamW's best rate. A rerun continues "
-        "a stopped comparison."),
+        "optimisers train the factored pairs; the other parameters use AdamW at AdamW's best rate. --from-scratch ARM: "
+        "the optimiser abstract's setting, a fresh small model per run with the geometry on W_Q / W_K. A rerun "
+        "continues a stopped comparison."),
     "scratch": (
         "from scratch: Euclidean vs Riemannian (gates 0, strong starts) at equal parameters and tokens",
         "Train small byte-level models from scratch on the standard library's source (split by module): the Euclidean "
@@ -201,6 +207,8 @@ SUBCOMMANDS = {
 
 def analyze_parser() -> argparse.ArgumentParser:
     from fiber_bundle.training.riemannian import OPTIMIZERS
+
+    from .optimizers import design_points
 
     parser = argparse.ArgumentParser(
         prog="fiber-bundle analyze",
@@ -264,16 +272,31 @@ def analyze_parser() -> argparse.ArgumentParser:
                          help="score on the first N held-out blocks only (default: all)")
 
     optimizers = command("optimizers", _optimizers)
-    optimizers.add_argument("converted", help="a converted Fiber Bundle folder (its metric at the graft value)")
+    optimizers.add_argument("converted", nargs="?", default=None,
+                            help="a converted Fiber Bundle folder (its metric at the graft value); omit with "
+                                 "--from-scratch")
     optimizers.add_argument("--out", required=True, help="folder for optimizers.json")
-    optimizers.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=list(OPTIMIZERS),
-                            help="which optimisers to compare (AdamW runs first)")
+    optimizers.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=list(design_points()),
+                            metavar="NAME", help="which optimisers to compare (AdamW runs first): adamw, "
+                                                 "riemannian-quotient, riemannian-embedded, stiefel-euclidean, "
+                                                 "stiefel-canonical, grassmann, or a geometry's block variant "
+                                                 "(NAME+block)")
     optimizers.add_argument("--learning-rates", type=float, nargs="+", default=None,
                             help="one sweep grid for every optimiser (default: each optimiser's own grid)")
     optimizers.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
                             help="seeds; the first one is used for the sweep")
-    optimizers.add_argument("--mode", choices=["metric-only", "lora"], default="metric-only", help="the task")
-    optimizers.add_argument("--block", action="store_true", help="the block variants of the geometries")
+    optimizers.add_argument("--mode", choices=["metric-only", "lora", "full"], default=None,
+                            help="the task (default: metric-only for a converted folder, full from scratch)")
+    optimizers.add_argument("--from-scratch", default=None, metavar="ARM",
+                            help="the optimiser abstract's setting: train a fresh small model of this analyze scratch "
+                                 "arm (euclidean, gates-0, strong-ALPHA) per run on the standard library's source, "
+                                 "the geometry on the per-head W_Q / W_K pairs only, the rest with AdamW")
+    optimizers.add_argument("--compile", action="store_true",
+                            help="train through torch.compile; the time per step is then the median step")
+    optimizers.add_argument("--warmup-steps", type=int, default=10,
+                            help="linear warm-up steps before the linear decay (--from-scratch)")
+    optimizers.add_argument("--block", action="store_true",
+                            help="the block variants of every geometry (or name them: --optimizers grassmann+block)")
     optimizers.add_argument("--lora-r", type=int, default=8, help="LoRA rank in --mode lora")
     optimizers.add_argument("--max-steps", type=int, default=16, help="optimiser steps per run")
     optimizers.add_argument("--batch-size", type=int, default=4, help="blocks per step")

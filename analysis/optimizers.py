@@ -8,6 +8,12 @@ biases) uses AdamW at the best AdamW rate of the same sweep, so the pairs' optim
 arms.
 Every run starts from the same backbone with the metric generators drawn by its seed (gates at the graft value 0).
 Results are written after every run and a rerun with the same settings continues where it stopped.
+
+``from_scratch`` is the setting of the optimiser abstract: a small model of ``analyze scratch`` (its arm: ``euclidean``,
+metric off, or a Riemannian start) trained from random initialisation in full on the standard library's source, the
+geometry on the per-head W_Q / W_K pairs only (``riemannian_pairs="attention"``; a partial isometry starts them
+orthonormal), everything else with AdamW at AdamW's best rate. The design points are the five geometries and their block
+variants (``stiefel-canonical+block``: each query head its own factor, sharing its KV group's key factor).
 """
 
 import json
@@ -19,7 +25,7 @@ from pathlib import Path
 import torch
 
 from .compare import corpus
-from .measures import summarise
+from .measures import paired_interval, summarise
 from .models import load_causal_lm
 from .output import write_json
 
@@ -33,6 +39,21 @@ DEFAULT_GRIDS = {  # AdamW around its known range; the Riemannian steps are plai
 }
 
 
+def design_points() -> tuple[str, ...]:
+    """The optimiser names a comparison takes: AdamW, the five geometries and their block variants (``NAME+block``)."""
+    from fiber_bundle.training.riemannian import GEOMETRIES, OPTIMIZERS
+
+    return OPTIMIZERS + tuple(f"{geometry}+block" for geometry in GEOMETRIES)
+
+
+def design_point(name: str) -> tuple[str, bool]:
+    """(geometry or "adamw", block variant) of an optimiser name of ``design_points``."""
+    if name not in design_points():
+        raise ValueError(f"unknown optimizer {name!r}; choose from {', '.join(design_points())}.")
+    geometry, _, variant = name.partition("+")
+    return geometry, variant == "block"
+
+
 def _midpoints(grid, best) -> list[float]:
     """The geometric midpoints between ``best`` and its neighbours in ``grid`` (one side only at an edge)."""
     grid = sorted(grid)
@@ -41,13 +62,13 @@ def _midpoints(grid, best) -> list[float]:
 
 
 def run_optimizer_comparison(
-    converted: str | Path,
+    converted: str | Path | None,
     output_dir: str | Path,
     *,
     optimizers=tuple(DEFAULT_GRIDS),
     grids: dict | None = None,
     seeds=(0, 1, 2),
-    mode: str = "metric-only",
+    mode: str | None = None,
     block: bool = False,
     lora_r: int = 8,
     max_steps: int = 16,
@@ -57,39 +78,83 @@ def run_optimizer_comparison(
     adamw_learning_rate: float | None = None,
     max_extensions: int = 3,
     progress: bool = True,
+    from_scratch: str | None = None,
+    compile: bool = False,
+    warmup_steps: int = 10,
+    corpus_root: str | Path | None = None,
 ) -> dict:
     """Sweep, then re-seed, every optimiser; write ``optimizers.json`` after every run. Returns the results.
 
     Arguments:
-        converted: a converted Fiber Bundle folder (its metric at the graft value).
-        optimizers: "adamw" and / or geometries of ``training.riemannian.GEOMETRIES``; AdamW runs first (its best
-            rate is the rate of the other arms' non-factored parameters).
-        grids: optimiser -> learning rates of the sweep (default ``DEFAULT_GRIDS``).
+        converted: a converted Fiber Bundle folder (its metric at the graft value); None with ``from_scratch``.
+        optimizers: names of ``design_points()``: "adamw", geometries of ``training.riemannian.GEOMETRIES`` and
+            their block variants ("grassmann+block"); AdamW runs first (its best rate is the rate of the other arms'
+            non-factored parameters).
+        grids: optimiser -> learning rates of the sweep (default ``DEFAULT_GRIDS``, a block variant its geometry's).
         seeds: the first seeds the sweep, the best rate runs on all of them.
-        mode, block, lora_r: the task ("metric-only" or "lora") and the block variant of the geometries.
+        mode, block, lora_r: the task ("metric-only" or "lora"; "full" from scratch, the default there) and the
+            block variant of every geometry.
         max_steps, batch_size, block_size: the token budget of every run; max_eval_blocks: held-out blocks scored.
         adamw_learning_rate: AdamW's rate when AdamW is not swept here (default: AdamW's best rate already in this
             comparison's results, else 3e-2).
         max_extensions: how many grid steps the sweep may add beyond an edge of the grid where the best rate lies.
+        from_scratch: an arm of ``analyze scratch`` ("euclidean", "gates-0", "strong-ALPHA"): a fresh ``small``
+            model of that arm per run (drawn by the run's seed), the standard library corpus (``corpus_root``: a
+            stand-in folder), ``warmup_steps`` of linear warm-up, the geometry on W_Q / W_K only.
+        compile: train through ``torch.compile`` (the time per step is then the median step, compilation left out).
     """
     from tqdm.auto import tqdm
 
-    from fiber_bundle.training.riemannian import OPTIMIZERS
     from fiber_bundle.training.trainer import evaluation_loss, train_model
 
-    unknown = [name for name in optimizers if name not in OPTIMIZERS]
+    points = design_points()
+    unknown = [name for name in optimizers if name not in points]
     if unknown or not optimizers:
-        raise ValueError(f"unknown optimizer(s) {unknown}; choose from {list(OPTIMIZERS)}.")
-    if mode not in ("metric-only", "lora"):
-        raise ValueError(f"mode {mode!r}: the comparison trains 'metric-only' or 'lora'.")
-    grids = {**DEFAULT_GRIDS, **(grids or {})}
+        raise ValueError(f"unknown optimizer(s) {unknown}; choose from {list(points)}.")
+    if (converted is None) == (from_scratch is None):
+        raise ValueError("give a converted folder (training its factored pairs) or from_scratch (an analyze scratch "
+                         "arm, trained from random initialisation), not " + ("both." if converted else "neither."))
+    mode = mode or ("full" if from_scratch else "metric-only")
+    if mode not in (("full",) if from_scratch else ("metric-only", "lora")):
+        raise ValueError(f"mode {mode!r}: the comparison trains " + ("'full' from scratch." if from_scratch else
+                                                                    "'metric-only' or 'lora'."))
+    grids = {**DEFAULT_GRIDS, **{f"{g}+block": grid for g, grid in DEFAULT_GRIDS.items()}, **(grids or {})}
     optimizers = sorted(optimizers, key=lambda name: name != "adamw")  # AdamW first
     output_dir = Path(output_dir)
-    model, tokenizer = load_causal_lm(converted)
-    train_set, eval_set, probe_ids = corpus(tokenizer, block_size, batch_size, max_eval_blocks)
-    before = evaluation_loss(model, eval_set, batch_size)
-    del model
-    settings = {"converted": str(converted), "mode": mode, "block": block, "lora_r": lora_r if mode == "lora" else None,
+    if from_scratch:
+        from .scratch import DEFAULT_MODEL, StepClock, arm_configs, scratch_corpus
+        from fiber_bundle.training.scratch import byte_tokenizer, fresh_model
+
+        tokenizer = byte_tokenizer()
+        alpha = from_scratch.removeprefix("strong-")
+        try:
+            configs = arm_configs(DEFAULT_MODEL, tokenizer, strong=(float(alpha),) if alpha != from_scratch else ())
+        except ValueError:
+            configs = {}
+        if from_scratch not in configs:
+            raise ValueError(f"from_scratch {from_scratch!r} is not an analyze scratch arm: euclidean, gates-0 or "
+                             "strong-ALPHA (e.g. strong-1).")
+        config = configs[from_scratch]
+        train_set, eval_set = scratch_corpus(tokenizer, block_size, max_eval_blocks or 64, corpus_root)
+        probe_ids = torch.tensor(eval_set[:1]["input_ids"])
+        new_model = lambda seed: fresh_model(config, seed)  # noqa: E731
+        before = evaluation_loss(new_model(seeds[0]), eval_set, batch_size)
+        source = {"from_scratch": from_scratch, "model": DEFAULT_MODEL, "warmup_steps": warmup_steps,
+                  "riemannian_pairs": "attention", **({"compile": True} if compile else {}),
+                  **({"corpus_root": str(corpus_root)} if corpus_root is not None else {})}
+    else:
+        model, tokenizer = load_causal_lm(converted)
+        train_set, eval_set, probe_ids = corpus(tokenizer, block_size, batch_size, max_eval_blocks)
+        before = evaluation_loss(model, eval_set, batch_size)
+        del model
+
+        def new_model(seed):
+            model, _ = load_causal_lm(converted)
+            model.init_geometry(seed)
+            return model
+
+        source = {"converted": str(converted)}
+    settings = {**source, "mode": mode, "block": block, "lora_r": lora_r if mode == "lora" else None,
                 "budget": {"steps": max_steps, "batch_size": batch_size, "block_size": block_size,
                            "tokens": max_steps * batch_size * block_size},
                 "eval_blocks": len(eval_set), "seeds": list(seeds), "threads": torch.get_num_threads()}
@@ -104,19 +169,28 @@ def run_optimizer_comparison(
         for done in results["runs"]:
             if (done["optimizer"], done["learning_rate"], done["seed"]) == (name, lr, seed):
                 return done
-        model, _ = load_causal_lm(converted)
-        model.init_geometry(seed)
+        if compile:  # a fresh compilation per run (see analyze scratch)
+            torch.compiler.reset()
+        model = new_model(seed)
+        geometry, blocks = design_point(name)
         kwargs = dict(learning_rate=lr) if name == "adamw" else dict(
-            learning_rate=adamw_lr, optimizer=name, riemannian_learning_rate=lr, block=block)
+            learning_rate=adamw_lr, optimizer=geometry, riemannian_learning_rate=lr, block=block or blocks)
+        if from_scratch:
+            kwargs.update(warmup_steps=warmup_steps, torch_compile=compile)
+            if name != "adamw":
+                kwargs.update(riemannian_pairs="attention", orthonormal_start=True)
+        clock = StepClock() if from_scratch else None
         with tempfile.TemporaryDirectory() as scratch:
             started = time.perf_counter()
             trainer = train_model(model, train_set, scratch, mode=mode, lora_r=lora_r, max_steps=max_steps,
-                                  batch_size=batch_size, seed=seed, probe_ids=probe_ids, quiet=True, **kwargs)
+                                  batch_size=batch_size, seed=seed, probe_ids=probe_ids, quiet=True,
+                                  callbacks=(clock,) if clock else (), **kwargs)
             seconds = time.perf_counter() - started
         after = evaluation_loss(trainer.model, eval_set, batch_size)
         record = {"optimizer": name, "learning_rate": lr, "seed": seed, "adamw_learning_rate": adamw_lr,
                   "eval_loss_after": after if math.isfinite(after) else None,
                   "seconds_per_step": seconds / max(1, trainer.state.global_step),
+                  **({"step_seconds_median": clock.median()} if clock else {}),
                   "train_loss": [log["loss"] for log in trainer.state.log_history if "loss" in log]}
         results["runs"].append(record)
         write_json(path, results)
@@ -156,24 +230,43 @@ def run_optimizer_comparison(
 
 
 def summarise_optimizers(results: dict) -> dict:
-    """Per optimiser at its best rate: eval loss after (mean, std over seeds) and seconds per step relative to AdamW."""
+    """Per optimiser at its best rate: eval loss after (mean, std over seeds), the difference to AdamW paired by seed
+    (mean, std and ``paired_interval``: 95 % t-interval, bootstrap, detectable difference), a block variant's paired
+    difference to its plain geometry, and seconds per step relative to AdamW (the median step where runs recorded it:
+    compilation and evaluation left out)."""
+
+    def chosen(name, lr):
+        return [r for r in results["runs"] if r["optimizer"] == name and r["learning_rate"] == lr]
+
+    def step_time(runs):
+        return summarise([r.get("step_seconds_median") or r["seconds_per_step"] for r in runs])["mean"]
+
+    def paired(mine, reference):
+        by_seed = {r["seed"]: r["eval_loss_after"] for r in reference}
+        return [r["eval_loss_after"] - by_seed[r["seed"]] for r in mine
+                if r["eval_loss_after"] is not None and by_seed.get(r["seed"]) is not None]
+
     summary = {}
     for name, best in results["best"].items():
-        mine = [r for r in results["runs"] if r["optimizer"] == name and r["learning_rate"] == best["learning_rate"]]
+        mine = chosen(name, best["learning_rate"])
         loss = summarise([r["eval_loss_after"] for r in mine])
-        seconds = summarise([r["seconds_per_step"] for r in mine])
         summary[name] = {"learning_rate": best["learning_rate"], "at_grid_edge": best["at_grid_edge"],
                          "seeds": len(mine), "diverged": sum(r["eval_loss_after"] is None for r in mine),
                          "eval_loss_after_mean": loss["mean"], "eval_loss_after_std": loss["std"],
-                         "seconds_per_step_mean": seconds["mean"]}
+                         "seconds_per_step_mean": step_time(mine)}
     if "adamw" in summary:
         reference = summary["adamw"]
-        adamw = {r["seed"]: r["eval_loss_after"] for r in results["runs"]
-                 if r["optimizer"] == "adamw" and r["learning_rate"] == reference["learning_rate"]}
+        adamw = chosen("adamw", reference["learning_rate"])
         for name, row in summary.items():
-            mine = [r for r in results["runs"] if r["optimizer"] == name and r["learning_rate"] == row["learning_rate"]]
-            paired = summarise([r["eval_loss_after"] - adamw[r["seed"]] for r in mine
-                                if r["eval_loss_after"] is not None and adamw.get(r["seed"]) is not None])
-            row["loss_vs_adamw"], row["loss_vs_adamw_std"] = paired["mean"], paired["std"]  # paired by seed
+            differences = paired(chosen(name, row["learning_rate"]), adamw)
+            row["loss_vs_adamw"], row["loss_vs_adamw_std"] = summarise(differences)["mean"], summarise(differences)[
+                "std"]  # paired by seed
+            if name != "adamw":
+                row["loss_vs_adamw_interval"] = paired_interval(differences)
             row["time_vs_adamw"] = row["seconds_per_step_mean"] / reference["seconds_per_step_mean"]
+    for name, row in summary.items():
+        plain = name.removesuffix("+block")
+        if plain != name and plain in summary:
+            row["loss_vs_plain_interval"] = paired_interval(paired(chosen(name, row["learning_rate"]),
+                                                                   chosen(plain, summary[plain]["learning_rate"])))
     return summary

@@ -452,3 +452,72 @@ def test_isometry_geometry_refuses_lora_pairs_with_the_reason():
     model = prepare_for_training(tiny_model(dtype=torch.float32), "lora", lora_r=4)
     with pytest.raises(ValueError, match="could not start at 0"):
         build_optimizer(model, "grassmann", lr=1e-2)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the optimiser abstract's setting: the ten design points on W_Q / W_K of a model trained from scratch
+# ----------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("block", [False, True])
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+def test_attention_design_points_from_scratch_keep_shared_keys_and_stay_on_their_manifold(geometry, block):
+    """``pairs="attention"``: only the per-head W_Q / W_K pairs take the geometry (the metric generators go to AdamW).
+    ``fresh``: a model trained from scratch starts them orthonormal for a partial isometry. The block variant keeps
+    each KV group's key factor one factor shared by its query heads (the plain one stacks those heads into one left
+    factor), and after real training steps every factor a partial isometry holds is still on its manifold; the
+    fixed-rank geometries keep each pair's rank."""
+    from helpers import TINY, random_ids, tiny_model
+    from fiber_bundle.training import prepare_for_training
+    from fiber_bundle.training.riemannian import FIXED_RANK, _read, attention_groups, build_optimizer
+
+    model = prepare_for_training(tiny_model(), "full")
+    optimizer = build_optimizer(model, geometry, lr=1e-3, riemannian_lr=5e-2, block=block, pairs="attention",
+                                fresh=True, momentum=0.5)
+    kinds = [g.get("kind", g["geometry"]) for g in optimizer.param_groups]
+    assert kinds == ["attention"] * TINY["num_hidden_layers"] + ["adamw"]
+    rest = {id(p) for p in optimizer.param_groups[-1]["params"]}
+    assert all(id(p) in rest for name, p in model.named_parameters() if ".fiber." in name)  # generators: AdamW
+    heads, kv = TINY["num_attention_heads"], TINY["num_key_value_heads"]
+    for group in attention_groups(model, block=block):
+        for lefts, rights in group["pairs"]:
+            assert len(rights) == 1  # the group's one key factor W_K,g^T
+            assert len(lefts) == (heads // kv if block else 1)  # one factor per query head, or the heads stacked
+    ids = random_ids(2, 12)
+    for _ in range(3):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    assert torch.isfinite(loss)
+    for group in optimizer.param_groups[:-1]:
+        for lefts, rights in group["pairs"]:
+            factors = [_read(group["params"], f) for f in lefts + rights]
+            if geometry in FIXED_RANK:
+                product = torch.cat([f @ _read(group["params"], rights[0]).T for f in factors[:-1]])
+                assert torch.linalg.matrix_rank(product).item() == TINY["head_dim"]
+            else:
+                assert all(mf.orthonormality_error(f) < 1e-10 for f in factors)
+
+
+def test_attention_pairs_of_a_trained_model_are_refused_and_bad_options_named():
+    """Without ``fresh`` (a model that was not trained from scratch) a partial isometry on W_Q / W_K is refused before
+    any write, naming the from-scratch route; the pair choice and the Riemannian-only options are checked."""
+    from helpers import tiny_model
+    from fiber_bundle.training import prepare_for_training
+    from fiber_bundle.training.arguments import FiberBundleTrainingArguments
+    from fiber_bundle.training.errors import TrainingError
+    from fiber_bundle.training.riemannian import build_optimizer, factored_groups
+
+    model = prepare_for_training(tiny_model(), "full")
+    weights = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="cannot represent the trained W_Q.*--from-config"):
+        build_optimizer(model, "grassmann", lr=1e-2, pairs="attention")
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    with pytest.raises(ValueError, match="pairs 'keys' is not one of all, attention"):
+        factored_groups(model, pairs="keys")
+    frozen = prepare_for_training(tiny_model(), "metric-only")
+    with pytest.raises(ValueError, match=r"no trainable factored pairs \(W_Q / W_K in --mode full\)"):
+        build_optimizer(frozen, "riemannian-quotient", lr=1e-2, pairs="attention")
+    with pytest.raises(TrainingError, match="riemannian_pairs and retraction apply to a Riemannian optimizer"):
+        FiberBundleTrainingArguments(output_dir="unused", riemannian_pairs="attention")
+    assert FiberBundleTrainingArguments(output_dir="unused", from_config="small").orthonormal_start is True
+    assert FiberBundleTrainingArguments(output_dir="unused").orthonormal_start is False

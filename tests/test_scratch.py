@@ -458,3 +458,58 @@ def test_analyze_scratch_command_prints_the_paired_intervals_and_reuses_runs(tmp
     assert calls[6:] == [3, 3, 3]  # the strong arm's runs came from the first study
     results = json.loads((tmp_path / "time" / "scratch.json").read_text())
     assert sum("reused_from" in r for r in results["runs"]) == 3
+
+
+def test_optimizer_comparison_from_scratch_puts_the_geometry_on_attention_pairs_only(tmp_path, monkeypatch):
+    """``analyze optimizers --from-scratch ARM`` (the optimiser abstract's setting): each run trains a fresh model of
+    the scratch arm in full, the design point's geometry on the per-head W_Q / W_K pairs only (the metric generators
+    of a Riemannian arm stay with AdamW), a partial isometry from orthonormal W_Q / W_K and still on its manifold after
+    training; the summary pairs every point with AdamW and a block variant with its plain geometry, with intervals."""
+    from fiber_bundle.analysis.optimizers import run_optimizer_comparison
+    from fiber_bundle.training import manifolds as mf
+    from fiber_bundle.training import trainer as trainer_module
+    from fiber_bundle.training.riemannian import _read, attention_groups
+
+    trainers = []
+    original = trainer_module.train_model
+
+    def keep(*args, **kwargs):
+        trainers.append((kwargs, original(*args, **kwargs)))
+        return trainers[-1][1]
+
+    monkeypatch.setattr(trainer_module, "train_model", keep)
+    root = fake_stdlib(tmp_path / "lib", modules=30)
+    common = dict(seeds=(0, 1), max_steps=2, batch_size=2, block_size=32, max_eval_blocks=4, max_extensions=0,
+                  corpus_root=root, progress=False)
+    grids = {"adamw": (1e-3,), "stiefel-canonical": (0.1,), "stiefel-canonical+block": (0.1,)}
+    results = run_optimizer_comparison(None, tmp_path / "euclidean", from_scratch="euclidean", grids=grids,
+                                       optimizers=["stiefel-canonical+block", "adamw", "stiefel-canonical"], **common)
+    assert [r["optimizer"] for r in results["runs"]] == ["adamw"] * 2 + ["stiefel-canonical+block"] * 2 + [
+        "stiefel-canonical"] * 2
+    assert results["from_scratch"] == "euclidean" and results["mode"] == "full" and results["eval_blocks"] == 4
+    for kwargs, trainer in trainers:
+        if kwargs.get("optimizer") is None:
+            continue
+        assert kwargs["riemannian_pairs"] == "attention" and kwargs["orthonormal_start"] is True
+        assert kwargs["block"] == (trainer is trainers[2][1] or trainer is trainers[3][1])
+        groups = attention_groups(trainer.model, block=kwargs["block"])
+        for group in groups:  # after training: every factor still orthonormal
+            for lefts, rights in group["pairs"]:
+                assert all(mf.orthonormality_error(_read(group["params"], f)) < 1e-5 for f in lefts + rights)
+    summary = results["summary"]
+    assert summary["stiefel-canonical+block"]["loss_vs_adamw_interval"]["count"] == 2
+    assert summary["stiefel-canonical+block"]["loss_vs_plain_interval"]["count"] == 2
+    assert "loss_vs_plain_interval" not in summary["stiefel-canonical"]
+    assert all(r["step_seconds_median"] > 0 for r in results["runs"])
+    trainers.clear()
+    strong = run_optimizer_comparison(None, tmp_path / "strong", from_scratch="strong-1", optimizers=["grassmann"],
+                                      grids={"grassmann": (0.1,)}, adamw_learning_rate=1e-3, **common)
+    assert strong["summary"]["grassmann"]["seeds"] == 2
+    kinds = [group.get("kind", group["geometry"]) for group in trainers[0][1].optimizer.param_groups]
+    assert kinds == ["attention"] * 4 + ["adamw"]  # 4 layers' W_Q / W_K; generators, gates and the rest: AdamW
+    with pytest.raises(ValueError, match="not an analyze scratch arm"):
+        run_optimizer_comparison(None, tmp_path / "bad", from_scratch="strong-x", **common)
+    with pytest.raises(ValueError, match="not both"):
+        run_optimizer_comparison(tmp_path, tmp_path / "bad", from_scratch="euclidean", **common)
+    with pytest.raises(ValueError, match="trains 'full' from scratch"):
+        run_optimizer_comparison(None, tmp_path / "bad", from_scratch="euclidean", mode="lora", **common)

@@ -26,7 +26,7 @@ from transformers.training_args import OptimizerNames
 from .errors import TrainingError
 from .manifolds import RETRACTIONS
 from .modes import TRAINING_MODES
-from .riemannian import OPTIMIZERS
+from .riemannian import OPTIMIZERS, PAIRS
 
 
 @dataclass
@@ -89,6 +89,13 @@ class FiberBundleTrainingArguments(TrainingArguments):
     block: bool = field(default=False, metadata={
         "help": "the block variant of the geometry: each attention head's slice of a factor is its own factor (heads "
                 "share the other one)"})
+    riemannian_pairs: str = field(default="all", metadata={
+        "help": "the factored pairs a Riemannian --optimizer trains: all of them, or attention (only the per-head "
+                "W_Q / W_K of --mode full; metric generators then stay with AdamW)", "choices": tuple(PAIRS)})
+    orthonormal_start: bool | None = field(default=None, metadata={
+        "help": "a partial-isometry --optimizer (stiefel-*, grassmann) on W_Q / W_K: make them orthonormal before the "
+                "first step, which changes the model, so only for one trained from scratch (default: on with "
+                "--from-config, off otherwise, where such a start is refused)"})
     retraction: str = field(default="qr", metadata={
         "help": "retraction of the partial-isometry optimizers (stiefel-*, grassmann): QR or polar factor",
         "choices": tuple(RETRACTIONS)})
@@ -118,6 +125,8 @@ class FiberBundleTrainingArguments(TrainingArguments):
     def __post_init__(self):
         if self.mode is None:  # a fresh model has no pretrained backbone to keep: everything trains
             self.mode = "full" if self.from_config is not None else "metric-only"
+        if self.orthonormal_start is None:  # only a fresh model's W_Q / W_K may be moved onto the manifold
+            self.orthonormal_start = self.from_config is not None
         derived = self.output_dir is None
         if self.batch_size is not None:
             self.per_device_train_batch_size = self.per_device_eval_batch_size = self.batch_size
@@ -134,13 +143,14 @@ class FiberBundleTrainingArguments(TrainingArguments):
             self.output_dir = None
 
     def _check_options(self) -> None:
-        for name, choices in (("mode", TRAINING_MODES), ("optimizer", OPTIMIZERS), ("retraction", tuple(RETRACTIONS))):
+        for name, choices in (("mode", TRAINING_MODES), ("optimizer", OPTIMIZERS), ("retraction", tuple(RETRACTIONS)),
+                              ("riemannian_pairs", tuple(PAIRS))):
             if getattr(self, name) not in choices:
                 raise TrainingError(f"{name} {getattr(self, name)!r} is not one of {', '.join(choices)}.")
         if self.optimizer == "adamw" and (self.block or self.riemannian_learning_rate is not None
-                                          or self.retraction != "qr"):
-            raise TrainingError("block, riemannian_learning_rate and retraction apply to a Riemannian optimizer, not "
-                                "to adamw.")
+                                          or self.retraction != "qr" or self.riemannian_pairs != "all"):
+            raise TrainingError("block, riemannian_learning_rate, riemannian_pairs and retraction apply to a Riemannian "
+                                "optimizer, not to adamw.")
         if self.optimizer != "adamw" and self.metric_learning_rate is not None:
             raise TrainingError("metric_learning_rate applies to the AdamW optimiser; with a Riemannian optimizer the "
                                 "parameters outside the factored pairs use learning_rate.")

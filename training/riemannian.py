@@ -32,6 +32,7 @@ from . import manifolds as mf
 GEOMETRIES = ("riemannian-quotient", "riemannian-embedded", "stiefel-euclidean", "stiefel-canonical", "grassmann")
 FIXED_RANK = GEOMETRIES[:2]
 OPTIMIZERS = ("adamw",) + GEOMETRIES  # the choices of ``fiber-bundle train --optimizer``
+PAIRS = {"all": ("lora", "metric", "attention"), "attention": ("attention",)}  # --riemannian-pairs: kinds it trains
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -447,11 +448,14 @@ def attention_groups(model, *, block: bool = False) -> list[dict]:
     return groups
 
 
-def factored_groups(model, *, block: bool = False) -> list[dict]:
-    """Every trainable factored pair of a model: LoRA pairs, metric generators, per-head W_Q / W_K."""
+def factored_groups(model, *, block: bool = False, pairs: str = "all") -> list[dict]:
+    """Every trainable factored pair of a model: LoRA pairs, metric generators, per-head W_Q / W_K (``pairs``: a key
+    of ``PAIRS``, "attention" for the W_Q / W_K pairs only)."""
+    if pairs not in PAIRS:
+        raise ValueError(f"pairs {pairs!r} is not one of {', '.join(PAIRS)}.")
+    found = {"lora": lora_groups, "metric": metric_groups, "attention": attention_groups}
     groups, seen = [], set()
-    for group in lora_groups(model, block=block) + metric_groups(model, block=block) + \
-            attention_groups(model, block=block):
+    for group in [group for kind in PAIRS[pairs] for group in found[kind](model, block=block)]:
         key = tuple(id(p) for p in group["params"])
         if key not in seen:  # why: PEFT's modules_to_save wrapper forwards attributes to the copy it trains
             seen.add(key)
@@ -465,13 +469,16 @@ def _is_orthonormal(group: dict) -> bool:
 
 
 @torch.no_grad()
-def start_on_isometries_(model, groups: list[dict]) -> None:
+def start_on_isometries_(model, groups: list[dict], *, fresh: bool = False) -> None:
     """Make every factor orthonormal so that a partial-isometry geometry can start, where that leaves the model's
     function unchanged: a layer's metric generators while its gates are at the graft value (the metric is not used yet).
+    ``fresh``: the model is freshly initialised (trained from scratch), so its W_Q / W_K may be made orthonormal too:
+    that changes its function, but only its random start (the factors' scale is then fixed at 1; the RMSNorm weights
+    before attention, trained by AdamW, carry the scores' scale).
 
     Refused with the reason: LoRA pairs (a partial isometry has every singular value 1, so the update cannot start at
-    B A = 0 as LoRA must) and W_Q / W_K (orthonormal factors cannot represent a trained W_Q^T W_K). Every group is
-    checked before any is written, so a refusal leaves the model untouched."""
+    B A = 0 as LoRA must) and, unless ``fresh``, W_Q / W_K (orthonormal factors cannot represent a trained
+    W_Q^T W_K). Every group is checked before any is written, so a refusal leaves the model untouched."""
     to_orthonormalize = []
     for group in groups:
         label, kind = group.get("name", "a factored group"), group.get("kind")
@@ -492,9 +499,12 @@ def start_on_isometries_(model, groups: list[dict]) -> None:
                              "B A would be 1 from the first step, so the adapter could not start at 0): use "
                              "riemannian-quotient or riemannian-embedded for LoRA, or an isometry geometry with "
                              "--mode metric-only.")
+        elif kind == "attention" and fresh:
+            to_orthonormalize.append(group)
         elif kind == "attention":
             raise ValueError(f"{label}: orthonormal W_Q / W_K factors cannot represent the trained W_Q^T W_K: use "
-                             "riemannian-quotient or riemannian-embedded in --mode full.")
+                             "riemannian-quotient or riemannian-embedded in --mode full (a model trained from scratch, "
+                             "--from-config, starts them orthonormal instead).")
         else:
             raise ValueError(f"{label}: its factors are not orthonormal; orthonormalise them yourself "
                              "(orthonormalize_group_) if that leaves your model unchanged.")
@@ -503,20 +513,22 @@ def start_on_isometries_(model, groups: list[dict]) -> None:
 
 
 def build_optimizer(model, geometry: str, *, lr: float, riemannian_lr: float | None = None, momentum: float = 0.9,
-                    weight_decay: float = 0.0, retraction: str = "qr", block: bool = False,
-                    betas=(0.9, 0.999), eps: float = 1e-8) -> FactoredRiemannianOptimizer:
-    """One optimiser for a whole model: every trainable factored pair (``factored_groups``) on ``geometry`` at
-    ``riemannian_lr`` (default ``lr``), every other trainable parameter (gates, biases, norms, ...) with AdamW at
-    ``lr``.
-    For a partial-isometry geometry the factors are first made orthonormal (``start_on_isometries_``)."""
+                    weight_decay: float = 0.0, retraction: str = "qr", block: bool = False, pairs: str = "all",
+                    fresh: bool = False, betas=(0.9, 0.999), eps: float = 1e-8) -> FactoredRiemannianOptimizer:
+    """One optimiser for a whole model: every trainable factored pair (``factored_groups``; ``pairs`` "attention":
+    only the per-head W_Q / W_K) on ``geometry`` at ``riemannian_lr`` (default ``lr``), every other trainable parameter
+    (gates, biases, norms, ...) with AdamW at ``lr``.
+    For a partial-isometry geometry the factors are first made orthonormal (``start_on_isometries_``; ``fresh``: the
+    model is untrained, so W_Q / W_K may be)."""
     if geometry not in GEOMETRIES:
         raise ValueError(f"optimizer {geometry!r} is not one of {OPTIMIZERS}.")
-    groups = factored_groups(model, block=block)
+    groups = factored_groups(model, block=block, pairs=pairs)
     if not groups:
-        raise ValueError(f"--optimizer {geometry} found no trainable factored pairs (LoRA pairs, metric generators, or "
-                         "W_Q / W_K in --mode full).")
+        raise ValueError(f"--optimizer {geometry} found no trainable factored pairs ("
+                         + ("W_Q / W_K in --mode full" if pairs == "attention" else
+                            "LoRA pairs, metric generators, or W_Q / W_K in --mode full") + ").")
     if geometry not in FIXED_RANK:
-        start_on_isometries_(model, groups)
+        start_on_isometries_(model, groups, fresh=fresh)
     paired = {id(p) for group in groups for p in group["params"]}
     rest = [p for p in model.parameters() if p.requires_grad and id(p) not in paired]
     for group in groups:
