@@ -157,6 +157,41 @@ def _geometry(args) -> int:
     return 0
 
 
+def _ide(args) -> int:
+    from .ide import run_ide
+
+    results = run_ide(args.out, args.models, labels=args.labels, observables=args.observables, samples=args.samples,
+                      length=args.length, torsion_steps=args.torsion_steps, torsion_layers=args.torsion_layers,
+                      ablation_blocks=args.ablation_blocks, rope_pairs=args.rope_pairs,
+                      rope_max_offset=args.rope_max_offset, current_steps=args.current_steps,
+                      current_block_size=args.current_block_size, current_batch=args.current_batch,
+                      sgd_learning_rate=args.sgd_learning_rate, adamw_learning_rate=args.adamw_learning_rate)
+    for label, model in results["models"].items():
+        print(f"{label}:")
+        if "torsion" in model:
+            print(f"  splitting torsion ||T(h)|| ~ h^p: median exponent over layers "
+                  f"{model['torsion']['exponent_median']:.3f} (prediction 2)")
+        if "ablation" in model:
+            fit = model["ablation"]["fit"]
+            line = ("too few layers for a fit" if fit["slope"] is None else
+                    f"measured = {fit['slope']:.3f} x adjoint prediction (95 % [{fit['slope_interval'][0]:.3f}, "
+                    f"{fit['slope_interval'][1]:.3f}], R² {fit['r2']:.3f})")
+            print(f"  ablation: {line}; symmetric pairs whose asymmetry has the predicted sign: "
+                  f"{model['ablation']['pair_signs_agree']} of {len(model['ablation']['pairs'])}")
+        if "rope" in model:
+            decay = model["rope"]["decay"]
+            print(f"  rotary recurrence ~ m^p: mean {decay['mean_fit']['exponent']:.3f} "
+                  f"(R² {decay['mean_fit']['r2']:.3f}), envelope {decay['envelope_fit']['exponent']:.3f} (R² {decay['envelope_fit']['r2']:.3f}); "
+                  f"prediction -1")
+        for name, run in ((name, model["current"][name]) for name in ("sgd", "adamw") if name in model.get("current", {})):
+            lag = run["lags"]["1"] if "1" in run["lags"] else run["lags"][1]
+            print(f"  {name} (lr {run['learning_rate']:g}): lag-1 current {lag['current']:+.4f} "
+                  f"[{lag['interval'][0]:+.4f}, {lag['interval'][1]:+.4f}]"
+                  + (" excludes 0" if lag["excludes_zero"] else " includes 0"))
+    print(f"-> {Path(args.out) / 'ide.json'}, {Path(args.out) / 'ide.png'}")
+    return 0
+
+
 def _model_arguments(parser, *, required: bool) -> None:
     parser.add_argument("models", nargs="+" if required else "*",
                         help="models to measure: Fiber Bundle folders, transformers checkpoint folders, Hub ids or "
@@ -183,6 +218,13 @@ SUBCOMMANDS = {
         "curvature / torsion / anisotropy per layer, RMSNorm Lipschitz vs eps, attention entropy",
         "Connection proxies per layer (Fiber Bundle models), RMSNorm's Lipschitz constant versus eps with the fitted "
         "exponent and R^2 (prediction -1/2), and attention entropy versus context length."),
+    "ide": (
+        "the IDE picture's observables: splitting torsion, symmetric ablation, rotary recurrence, training current",
+        "Per model: the Lie-Trotter torsion of each layer's attention and MLP flows against the step h (prediction "
+        "h^2), each layer's ablation against the adjoint's first-order prediction and the asymmetry of symmetric "
+        "pairs, the recurrence of (q, k) scores on the rotary torus against the offset (prediction 1/m), and the "
+        "probability current of SGD and AdamW trajectories at a constant rate. Definitions: analysis/ide.py. A rerun "
+        "continues."),
     "compare": (
         "metric-only training vs equal-parameter LoRA on the source vs LoRA + metric",
         "Train each arm on the same token budget of pydoc topics with several seeds; report held-out eval loss (mean "
@@ -252,6 +294,25 @@ def analyze_parser() -> argparse.ArgumentParser:
     geometry.add_argument("--ablation-blocks", type=int, default=0,
                           help="also score the model on this many held-out 256-token blocks (the main job's eval "
                                "split) with the attention metric, the MLP metric and both switched off (0: skip)")
+
+    ide = command("ide", _ide, models=True)
+    ide.add_argument("--observables", nargs="+", default=["torsion", "ablation", "rope", "current"],
+                     choices=["torsion", "ablation", "rope", "current"], help="which observables to measure")
+    ide.add_argument("--torsion-steps", type=float, nargs="+", default=None,
+                     help="steps h of the splitting torsion (default 1e-4 ... 1)")
+    ide.add_argument("--torsion-layers", type=int, nargs="+", default=None, help="layers measured (default: all)")
+    ide.add_argument("--ablation-blocks", type=int, default=8,
+                     help="held-out 256-token blocks (the main job's eval split) scored with each layer removed")
+    ide.add_argument("--rope-pairs", type=int, default=64, help="(query, key) token pairs per layer and head")
+    ide.add_argument("--rope-max-offset", type=int, default=None,
+                     help="largest relative offset (default: the model's max_position_embeddings)")
+    ide.add_argument("--current-steps", type=int, default=300, help="training steps per optimiser (current)")
+    ide.add_argument("--current-block-size", type=int, default=128, help="tokens per training block (current)")
+    ide.add_argument("--current-batch", type=int, default=1, help="blocks per training step (current)")
+    ide.add_argument("--sgd-learning-rate", type=float, default=1e-3,
+                     help="constant rate of plain SGD, no momentum (current)")
+    ide.add_argument("--adamw-learning-rate", type=float, default=1e-5,
+                     help="constant rate of AdamW, no weight decay (current)")
 
     compare = command("compare", _compare)
     compare.add_argument("converted", help="a Fiber Bundle folder converted from SOURCE")

@@ -51,8 +51,9 @@ def attention_entropy(probs: torch.Tensor) -> torch.Tensor:
     return -(p * torch.log(torch.where(p > 0, p, torch.ones_like(p)))).sum(-1)
 
 
-def fit_power_law(x, y) -> dict:
-    """Least-squares fit of log y = p log x + log c. Returns exponent p, prefactor c and R^2 of the log-log fit."""
+def fit_power_law(x, y, confidence: float = 0.95) -> dict:
+    """Least-squares fit of log y = p log x + log c. Returns exponent p, prefactor c, R^2 of the log-log fit and the
+    exponent's t-interval at ``confidence`` (n - 2 degrees of freedom; None for two points)."""
     lx = torch.log(torch.as_tensor(x, dtype=torch.float64))
     ly = torch.log(torch.as_tensor(y, dtype=torch.float64))
     if lx.numel() < 2:
@@ -63,7 +64,16 @@ def fit_power_law(x, y) -> dict:
     ss_res = (ly - predicted).pow(2).sum()
     ss_tot = (ly - ly.mean()).pow(2).sum()
     r2 = 1.0 - (ss_res / ss_tot).item() if ss_tot > 0 else float("nan")
-    return {"exponent": solution[0].item(), "prefactor": math.exp(solution[1].item()), "r2": r2}
+    interval = None
+    if lx.numel() > 2:
+        from scipy import stats
+
+        spread = (lx - lx.mean()).pow(2).sum()
+        stderr = math.sqrt(ss_res.item() / (lx.numel() - 2) / spread.item()) if spread > 0 else float("nan")
+        half = float(stats.t.ppf(0.5 + confidence / 2, lx.numel() - 2)) * stderr
+        interval = [solution[0].item() - half, solution[0].item() + half]
+    return {"exponent": solution[0].item(), "prefactor": math.exp(solution[1].item()), "r2": r2,
+            "exponent_interval": interval}
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

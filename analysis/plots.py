@@ -196,3 +196,52 @@ def plot_scratch(results: dict, path: str | Path) -> Path:
     ax_alpha.set_ylabel("learned alpha (mean over heads and seeds)")
     ax_alpha.legend(fontsize=7)
     return save_figure(fig, path)
+
+
+def plot_ide(results: dict, path: str | Path) -> Path:
+    """The four IDE observables per model: splitting torsion against the step h (median over layers, h^2 for
+    reference), ablation loss change measured against the adjoint prediction, rotary recurrence against the offset
+    (mean and envelope, 1/m for reference) and the two principal coordinates of the SGD and AdamW trajectories."""
+    import torch
+
+    fig, (ax_torsion, ax_ablation, ax_rope, ax_current) = figure(ncols=2, nrows=2)
+    for colour, (label, model) in enumerate(results["models"].items()):
+        c = f"C{colour}"
+        if "torsion" in model:
+            layers = model["torsion"]["layers"]
+            steps = layers[0]["steps"]
+            median = [sorted(layer["relative_torsion"][i] for layer in layers)[len(layers) // 2]
+                      for i in range(len(steps))]
+            ax_torsion.loglog(steps, median, "o-", color=c, label=f"{label} (median layer)")
+            ax_torsion.loglog(steps, [median[0] * (h / steps[0]) ** 2 for h in steps], ":", color=c)
+        if "ablation" in model:
+            ab = model["ablation"]
+            ax_ablation.scatter(ab["predicted"], ab["measured"], s=12, color=c, label=label)
+        if "rope" in model:
+            rope = model["rope"]
+            ax_rope.loglog(rope["offsets"], rope["mean"], color=c, label=f"{label}: mean over (q, k) pairs")
+            ax_rope.loglog(rope["decay"]["offsets"], rope["decay"]["envelope"], "--", color=c, lw=0.8)
+            if colour == 0:
+                ax_rope.loglog(rope["offsets"], rope["kernel"], color="0.5", lw=0.8, label="kernel (c_j = 1)")
+                ax_rope.loglog(rope["offsets"], [1 / m for m in rope["offsets"]], ":", color="k", label="1/m")
+        if "current" in model:
+            for style, name in (("-", "sgd"), ("--", "adamw")):
+                z = torch.tensor(model["current"][name]["trajectory"], dtype=torch.float64)
+                z = z - z.mean(0)
+                _, _, vh = torch.linalg.svd(z, full_matrices=False)
+                plane = z @ vh[:2].T
+                ax_current.plot(plane[:, 0], plane[:, 1], style, color=c, lw=0.6, label=f"{label}, {name}")
+    ax_torsion.set_xlabel("step h")
+    ax_torsion.set_ylabel("||T(h)|| / ||X|| (dotted: h^2)")
+    ax_torsion.legend(fontsize=7)
+    ax_ablation.axline((0, 0), slope=1, color="k", lw=0.8, ls=":")
+    ax_ablation.set_xlabel("adjoint prediction -<g, u> (nats)")
+    ax_ablation.set_ylabel("measured loss change, layer removed (nats)")
+    ax_ablation.legend(fontsize=7)
+    ax_rope.set_xlabel("relative offset m")
+    ax_rope.set_ylabel("recurrence |sum c_j e^{i m theta_j}| / sum |c_j|")
+    ax_rope.legend(fontsize=7)
+    ax_current.set_xlabel("principal coordinate 1")
+    ax_current.set_ylabel("principal coordinate 2")
+    ax_current.legend(fontsize=7)
+    return save_figure(fig, path)

@@ -73,6 +73,10 @@ def test_power_law_fit_and_rmsnorm_exponent_on_a_synthetic_sweep():
     assert fit["r2"] == pytest.approx(1.0)
     noisy = measures.fit_power_law(eps, eps**1.5 * (1 + 0.1 * torch.randn(9, generator=torch.Generator().manual_seed(0))))
     assert noisy["exponent"] == pytest.approx(1.5, abs=0.05) and 0.99 < noisy["r2"] < 1.0
+    low, high = noisy["exponent_interval"]
+    assert low < 1.5 < high and high - low < 0.1  # the slope's t-interval covers the true exponent
+    assert fit["exponent_interval"][1] - fit["exponent_interval"][0] < 1e-9  # an exact power law: no spread
+    assert measures.fit_power_law([1.0, 2.0], [1.0, 4.0])["exponent_interval"] is None
     # RMSNorm: the worst-case Lipschitz constant over inputs down to 0 scales as max|w| eps^(-1/2)
     weight = 0.5 + torch.rand(32, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     probes_ = measures.lipschitz_probes(32)
@@ -462,3 +466,37 @@ def test_init_geometry_redraws_a_loaded_model_in_place(tiny_folders):
     changed = [k for k, v in loaded.state_dict().items() if not torch.equal(saved[k], v)]
     assert changed and all(".fiber." in k and k.endswith(("proj.weight",)) for k in changed)
     assert all(torch.isfinite(v).all() for v in loaded.state_dict().values())
+
+
+@pytest.mark.heavy
+def test_analyze_ide_end_to_end_and_resumes(tiny_folders, tmp_path, capsys, monkeypatch):
+    """``analyze ide`` on a LLaMA source and a Fiber Bundle model with a trained geometry: the four observables in
+    ide.json and ide.png (torsion per layer with its exponent near the predicted 2, each layer's ablation beside the
+    adjoint prediction, the rotary recurrence with its fits, SGD and AdamW currents at four lags); a rerun measures
+    nothing again."""
+    from fiber_bundle.analysis import ide
+    from fiber_bundle.cli import main
+
+    models = [str(tiny_folders / name) for name in ("source", "trained")]
+    args = ["analyze", "ide", *models, "--out", str(tmp_path), "--samples", "1", "--length", "24",
+            "--torsion-steps", "1e-4", "1e-3", "1e-2", "--ablation-blocks", "2", "--rope-pairs", "4",
+            "--rope-max-offset", "256", "--current-steps", "180", "--current-block-size", "16"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "median exponent over layers" in out and "lag-1 current" in out
+    data = read_outputs(tmp_path, "ide")
+    for label in ("source", "trained"):
+        model = data["models"][label]
+        assert len(model["torsion"]["layers"]) == 2 and abs(model["torsion"]["exponent_median"] - 2) < 0.1
+        assert len(model["ablation"]["measured"]) == 2 and model["ablation"]["loss"] > 0
+        assert model["rope"]["offsets"][-1] == 256 and len(model["rope"]["mean"]) == len(model["rope"]["offsets"])
+        assert model["rope"]["kernel"][0] == pytest.approx(abs(sum(
+            complex(math.cos(f), math.sin(f)) for f in model["rope"]["inv_freq"])) / len(model["rope"]["inv_freq"]))
+        for name in ("sgd", "adamw"):
+            run = model["current"][name]
+            assert len(run["losses"]) == 180 and set(run["lags"]) == {"1", "2", "5", "10"}
+            assert len(run["trajectory"]) == 180 and len(run["trajectory"][0]) == 8
+    monkeypatch.setattr(ide, "_measure", lambda *a, **k: pytest.fail("a finished measurement ran again"))
+    assert main(args) == 0
+    assert main([*args[:-2], "--current-block-size", "32"]) == 1  # other settings in the same folder: refused
+    assert "holds measurements with other settings" in capsys.readouterr().err
