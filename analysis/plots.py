@@ -150,10 +150,17 @@ def plot_compare(results: dict, path: str | Path) -> Path:
 def plot_scratch(results: dict, path: str | Path) -> Path:
     """From-scratch comparison: held-out loss curves at each arm's chosen rates (mean over seeds, min-max band), the
     learning-rate sweep (first seed), the rank-collapse residual and the hidden states' numerical rank at every depth
-    after training (solid) and at initialisation (dashed, where recorded), and the learned alpha per layer."""
-    fig, (ax_curve, ax_sweep, ax_residual, ax_rank, ax_alpha, ax_spare) = figure(ncols=2, nrows=3)
-    ax_spare.axis("off")
+    after training (solid) and at initialisation (dashed, where recorded), the learned alpha per layer, and each arm's
+    held-out loss minus the Euclidean arm's along the run, paired by seed with its 95 % t-interval (arms of equal
+    steps)."""
+    from .measures import paired_interval
+
+    fig, (ax_curve, ax_sweep, ax_residual, ax_rank, ax_alpha, ax_paired) = figure(ncols=2, nrows=3)
     summary = results["summary"]
+    chosen = {arm: {r["seed"]: r for r in results["runs"] if r["arm"] == arm
+                    and r["learning_rate"] == row["learning_rate"]
+                    and r.get("metric_learning_rate") == row.get("metric_learning_rate")
+                    and r["eval_loss_after"] is not None} for arm, row in summary.items()}
     for colour, (arm, row) in enumerate(summary.items()):
         runs = [r for r in results["runs"] if r["arm"] == arm and r["learning_rate"] == row["learning_rate"]
                 and r.get("metric_learning_rate") == row.get("metric_learning_rate")
@@ -192,6 +199,23 @@ def plot_scratch(results: dict, path: str | Path) -> Path:
     ax_rank.set_xlabel("depth (0: embeddings)")
     ax_rank.set_ylabel("hidden states' numerical rank")
     ax_rank.legend(fontsize=7)
+    reference = chosen.get("euclidean", {})
+    for colour, arm in enumerate(summary):
+        mine = chosen[arm]
+        seeds = sorted(set(mine) & set(reference))
+        if arm == "euclidean" or len(seeds) < 2 or summary[arm]["steps"] != summary["euclidean"]["steps"]:
+            continue  # the paired curve needs equal steps (an equal-time study compares only the final losses)
+        steps = [step for step, _ in mine[seeds[0]]["eval_curve"]]
+        rows = [paired_interval([mine[s]["eval_curve"][i][1] - reference[s]["eval_curve"][i][1] for s in seeds])
+                for i in range(len(steps))]
+        ax_paired.plot(steps, [row["mean"] for row in rows], color=f"C{colour}", label=f"{arm} - euclidean")
+        ax_paired.fill_between(steps, [row["t_interval"][0] for row in rows], [row["t_interval"][1] for row in rows],
+                               color=f"C{colour}", alpha=0.2)
+    ax_paired.axhline(0.0, color="k", lw=0.8)
+    ax_paired.set_xlabel("step")
+    ax_paired.set_ylabel("held-out loss minus euclidean's (paired, 95 %)")
+    if ax_paired.lines[:-1]:
+        ax_paired.legend(fontsize=7)
     ax_alpha.set_xlabel("layer")
     ax_alpha.set_ylabel("learned alpha (mean over heads and seeds)")
     ax_alpha.legend(fontsize=7)
