@@ -70,18 +70,13 @@ def decoder_layers(model):
 def layer_inputs(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, dict]]:
     """What each decoder layer receives in one forward pass of ``ids``: (hidden states, keyword arguments such as
     ``position_embeddings`` and ``attention_mask``), read with pre-hooks so that it is exactly the model's own call."""
-    from .probes import decoder
+    from .probes import decoder, run_with_hooks
 
     captured = []
     hooks = [layer.register_forward_pre_hook(
         lambda module, args, kwargs: captured.append((args[0] if args else kwargs["hidden_states"], dict(kwargs))),
         with_kwargs=True) for layer in decoder(model).layers]
-    try:
-        with torch.no_grad():
-            model(input_ids=ids.to(model.device), use_cache=False)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    run_with_hooks(model, ids, hooks)
     return captured
 
 
@@ -307,7 +302,7 @@ def rotary_pairs(model, ids: torch.Tensor, pairs: int = 64, seed: int = 0) -> to
     """c_j = q_j conj(k_j) for ``pairs`` random (query token, key token) pairs per layer and query head, from the
     pre-rotation queries and keys the model computes on ``ids`` (read at q_proj / k_proj; a query head is paired with
     its KV head). Returns (layers, heads, pairs, d/2) complex128."""
-    from .probes import decoder
+    from .probes import decoder, run_with_hooks
 
     config = model.config
     heads, kv = config.num_attention_heads, config.num_key_value_heads
@@ -318,12 +313,7 @@ def rotary_pairs(model, ids: torch.Tensor, pairs: int = 64, seed: int = 0) -> to
         for name in ("q_proj", "k_proj"):
             hooks.append(getattr(layer.self_attn, name).register_forward_hook(
                 lambda m, a, out, key=(i, name): seen.__setitem__(key, out.detach())))
-    try:
-        with torch.no_grad():
-            model(input_ids=ids.to(model.device), use_cache=False)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    run_with_hooks(model, ids, hooks)
     generator = torch.Generator().manual_seed(seed)
     batch, n = ids.shape
     rows = torch.randint(0, batch, (pairs,), generator=generator)

@@ -43,13 +43,18 @@ def residual_stream(model, ids: torch.Tensor) -> list[torch.Tensor]:
     take = lambda output: output[0] if isinstance(output, tuple) else output  # noqa: E731
     hooks = [inner.embed_tokens.register_forward_hook(lambda m, a, out: states.append(take(out).detach()))]
     hooks += [layer.register_forward_hook(lambda m, a, out: states.append(take(out).detach())) for layer in inner.layers]
+    run_with_hooks(model, ids, hooks)
+    return states
+
+
+def run_with_hooks(model, ids: torch.Tensor, hooks) -> None:
+    """One forward pass of ``ids`` without gradient, then every hook in ``hooks`` removed (also on error)."""
     try:
         with torch.no_grad():
             model(input_ids=ids.to(model.device), use_cache=False)
     finally:
         for hook in hooks:
             hook.remove()
-    return states
 
 
 def _causal_probs(logits: torch.Tensor) -> torch.Tensor:
