@@ -36,7 +36,7 @@ def _optimizers(args) -> int:
                                        block_size=args.block_size, max_eval_blocks=args.eval_blocks,
                                        adamw_learning_rate=args.adamw_learning_rate,
                                        max_extensions=args.max_extensions, from_scratch=args.from_scratch,
-                                       compile=args.compile, warmup_steps=args.warmup_steps)
+                                       compile=args.compile, warmup_steps=args.warmup_steps, gauge=args.gauge)
     task = f"from scratch ({args.from_scratch}, W_Q / W_K pairs)" if args.from_scratch else results["mode"]
     print(f"{task}, token budget {results['budget']['tokens']:,} per run, held-out loss before "
           f"{results['eval_loss_before']:.4f}")
@@ -248,7 +248,7 @@ SUBCOMMANDS = {
 
 
 def analyze_parser() -> argparse.ArgumentParser:
-    from fiber_bundle.training.riemannian import OPTIMIZERS
+    from fiber_bundle.training.riemannian import GAUGES, OPTIMIZERS
 
     from .optimizers import design_points
 
@@ -358,6 +358,9 @@ def analyze_parser() -> argparse.ArgumentParser:
                             help="linear warm-up steps before the linear decay (--from-scratch)")
     optimizers.add_argument("--block", action="store_true",
                             help="the block variants of every geometry (or name them: --optimizers grassmann+block)")
+    optimizers.add_argument("--gauge", choices=list(GAUGES), default="balanced",
+                            help="the factors riemannian-embedded stores each retracted X as: balanced, or continuous "
+                                 "(nearest the previous factors; for W_Q / W_K, whose RoPE breaks the gauge symmetry)")
     optimizers.add_argument("--lora-r", type=int, default=8, help="LoRA rank in --mode lora")
     optimizers.add_argument("--max-steps", type=int, default=16, help="optimiser steps per run")
     optimizers.add_argument("--batch-size", type=int, default=4, help="blocks per step")

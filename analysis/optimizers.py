@@ -82,6 +82,7 @@ def run_optimizer_comparison(
     compile: bool = False,
     warmup_steps: int = 10,
     corpus_root: str | Path | None = None,
+    gauge: str = "balanced",
 ) -> dict:
     """Sweep, then re-seed, every optimiser; write ``optimizers.json`` after every run. Returns the results.
 
@@ -102,6 +103,8 @@ def run_optimizer_comparison(
             model of that arm per run (drawn by the run's seed), the standard library corpus (``corpus_root``: a
             stand-in folder), ``warmup_steps`` of linear warm-up, the geometry on W_Q / W_K only.
         compile: train through ``torch.compile`` (the time per step is then the median step, compilation left out).
+        gauge: the factors riemannian-embedded stores its X as (``training.riemannian.GAUGES``; recorded in the
+            settings when not the default "balanced").
     """
     from tqdm.auto import tqdm
 
@@ -111,6 +114,10 @@ def run_optimizer_comparison(
     unknown = [name for name in optimizers if name not in points]
     if unknown or not optimizers:
         raise ValueError(f"unknown optimizer(s) {unknown}; choose from {list(points)}.")
+    from fiber_bundle.training.riemannian import GAUGES
+
+    if gauge not in GAUGES:
+        raise ValueError(f"gauge {gauge!r} is not one of {', '.join(GAUGES)}.")
     if (converted is None) == (from_scratch is None):
         raise ValueError("give a converted folder (training its factored pairs) or from_scratch (an analyze scratch "
                          "arm, trained from random initialisation), not " + ("both." if converted else "neither."))
@@ -154,7 +161,8 @@ def run_optimizer_comparison(
             return model
 
         source = {"converted": str(converted)}
-    settings = {**source, "mode": mode, "block": block, "lora_r": lora_r if mode == "lora" else None,
+    settings = {**source, **({"gauge": gauge} if gauge != "balanced" else {}),  # the default keeps older folders
+                "mode": mode, "block": block, "lora_r": lora_r if mode == "lora" else None,
                 "budget": {"steps": max_steps, "batch_size": batch_size, "block_size": block_size,
                            "tokens": max_steps * batch_size * block_size},
                 "eval_blocks": len(eval_set), "seeds": list(seeds), "threads": torch.get_num_threads()}
@@ -174,7 +182,8 @@ def run_optimizer_comparison(
         model = new_model(seed)
         geometry, blocks = design_point(name)
         kwargs = dict(learning_rate=lr) if name == "adamw" else dict(
-            learning_rate=adamw_lr, optimizer=geometry, riemannian_learning_rate=lr, block=block or blocks)
+            learning_rate=adamw_lr, optimizer=geometry, riemannian_learning_rate=lr, block=block or blocks,
+            **({"riemannian_gauge": gauge} if geometry == "riemannian-embedded" else {}))
         if from_scratch:
             kwargs.update(warmup_steps=warmup_steps, torch_compile=compile)
             if name != "adamw":

@@ -148,3 +148,21 @@ def tiny_char_tokenizer(vocab_size=TINY["vocab_size"]):
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<pad>"))  # no merges: one token per character
     tok.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+def fake_stdlib(root, modules: int = 12):
+    """A stand-in standard library: single-file modules, two packages (one with a tests folder) and site-packages."""
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(modules):
+        (root / f"mod{i:02d}.py").write_text(f'"""Module {i}."""\n' + f"VALUE_{i} = {i}\n" * (20 + 7 * i))
+    for package in ("pkga", "pkgb"):
+        (root / package / "sub").mkdir(parents=True)
+        (root / package / "__init__.py").write_text(f"# {package}\n" * 40)
+        (root / package / "sub" / "inner.py").write_text(f"def {package}():\n    return 1\n" * 30)
+    (root / "pkga" / "tests").mkdir()
+    (root / "pkga" / "tests" / "test_x.py").write_text("assert True\n")
+    (root / "site-packages" / "third").mkdir(parents=True)
+    (root / "site-packages" / "third" / "x.py").write_text("import os\n")
+    (root / "config-3.11-x86_64-linux-gnu").mkdir()
+    (root / "config-3.11-x86_64-linux-gnu" / "python-config.py").write_text("print(1)\n")
+    return root

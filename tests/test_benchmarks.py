@@ -177,3 +177,27 @@ def test_export_benchmark_quick_run(tmp_path):
     assert all(row["tokens_equal_eager"] and row["decode_tokens_per_s"] > 0 for row in rows.values())
     assert rows["eager"]["decode_ratio_to_eager"] == 1.0
     assert "| onnx |" in proc.stdout
+
+
+def test_optimizer_benchmark_from_scratch_times_every_design_point(tmp_path):
+    """bench_optimizers.py --from-scratch: one row per distinct design point of the optimiser abstract's setting (AdamW,
+    the five geometries, the block variants of the three partial-isometry ones), each step timed, appended to the
+    record with what it measured."""
+    from helpers import fake_stdlib
+
+    root = fake_stdlib(tmp_path / "lib", modules=30)
+    record = tmp_path / "record.json"
+    proc = run_script("bench_optimizers.py", "--from-scratch", "euclidean", "--corpus-root", str(root), "--rounds",
+                      "1", "--batch-size", "2", "--block-size", "16", "--record", str(record))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "from scratch (euclidean), full, geometry on W_Q / W_K, (2, 16) tokens" in proc.stdout
+    (entry,) = json.loads(record.read_text())
+    assert entry["model"] == "from scratch: euclidean" and not entry["compiled"]
+    assert (entry["batch_size"], entry["block_size"]) == (2, 16)
+    assert list(entry["median_seconds"]) == [
+        "adamw", "riemannian-quotient", "riemannian-embedded", "stiefel-euclidean", "stiefel-euclidean (block)",
+        "stiefel-canonical", "stiefel-canonical (block)", "grassmann", "grassmann (block)"]
+    for row in entry["median_seconds"].values():
+        assert row["step"] > 0 and row["forward_backward"] > 0 and row["total_vs_adamw"] > 0
+    bad = run_script("bench_optimizers.py", "--from-scratch", "strong", "--corpus-root", str(root), "--rounds", "1")
+    assert bad.returncode != 0 and "not an analyze scratch arm" in bad.stderr

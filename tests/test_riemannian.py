@@ -108,6 +108,44 @@ def test_embedded_retraction_is_the_best_rank_r_approximation_and_keeps_rank():
     assert torch.allclose(left.T @ left, right.T @ right, atol=1e-10)  # balanced factors
 
 
+def test_continuous_factors_are_the_same_product_in_the_previous_gauge():
+    """Factors regauged by any invertible B come back to the previous ones exactly (A = B^-1), with the same product;
+    where no invertible A exists (the previous factor outside the new column space) the factors stay as given."""
+    left, right = rand(12, 3, seed=1), rand(10, 3, seed=2)
+    gauge = rand(3, 3, seed=3) + 3 * torch.eye(3, dtype=F64)
+    turned_left, turned_right = left @ gauge, right @ torch.linalg.inv(gauge).T
+    new_left, new_right = mf.continuous_factors(turned_left, turned_right, left)
+    assert torch.allclose(new_left, left, atol=1e-10) and torch.allclose(new_right, right, atol=1e-10)
+    assert torch.allclose(new_left @ new_right.T, turned_left @ turned_right.T, atol=1e-10)
+    outside = torch.zeros(12, 3, dtype=F64)
+    outside[:, 0] = torch.linalg.svd(left, full_matrices=True)[0][:, -1]  # orthogonal to left's columns
+    kept = mf.continuous_factors(turned_left, turned_right, outside)
+    assert torch.equal(kept[0], turned_left) and torch.equal(kept[1], turned_right)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_embedded_gauges_follow_the_same_products_and_continuous_factors_move_by_the_step(momentum):
+    """Where the loss is a function of X alone the two gauges are the same optimiser (the momentum lives in X's
+    tangent space): equal products after every step. Their factors differ: the balanced ones jump to U S^1/2 at the
+    first step, the continuous ones move by about the step."""
+    target, left, right_t = regression_problem("riemannian-embedded", seed=5)
+    left2, right2 = torch.nn.Parameter(left.detach().clone()), torch.nn.Parameter(right_t.detach().clone())
+    start = left.detach().clone()
+    pair = lambda l, r: [{"params": [l, r], "transposed": (False, True)}]  # noqa: E731
+    balanced = FactoredRiemannianOptimizer(pair(left, right_t), geometry="riemannian-embedded", lr=1e-3,
+                                           momentum=momentum)
+    continuous = FactoredRiemannianOptimizer(pair(left2, right2), geometry="riemannian-embedded", lr=1e-3,
+                                             momentum=momentum, gauge="continuous")
+    run(balanced, target, left, right_t, 1)
+    run(continuous, target, left2, right2, 1)
+    assert (left2.detach() - start).norm() < 0.05 * start.norm() < (left.detach() - start).norm()
+    for _ in range(30):
+        run(balanced, target, left, right_t, 1)
+        run(continuous, target, left2, right2, 1)
+        assert torch.allclose(left @ right_t, left2 @ right2, atol=1e-9)
+    assert (left2.detach() - start).norm() < (left.detach() - start).norm()
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # the optimiser
 # ----------------------------------------------------------------------------------------------------------------------
@@ -198,6 +236,8 @@ def test_bad_input_is_refused_with_the_fix():
         FactoredRiemannianOptimizer([{"params": [left, right_t], "transposed": (False, False)}])
     with pytest.raises(ValueError, match="retraction"):
         FactoredRiemannianOptimizer(pair, retraction="cayley")
+    with pytest.raises(ValueError, match="gauge 'polar' is not one of balanced, continuous"):
+        FactoredRiemannianOptimizer(pair, geometry="riemannian-embedded", gauge="polar")
     orthonormalize_(left)
     orthonormalize_(right_t, transposed=True)
     with pytest.raises(ValueError, match="weight decay"):
@@ -519,5 +559,10 @@ def test_attention_pairs_of_a_trained_model_are_refused_and_bad_options_named():
         build_optimizer(frozen, "riemannian-quotient", lr=1e-2, pairs="attention")
     with pytest.raises(TrainingError, match="riemannian_pairs and retraction apply to a Riemannian optimizer"):
         FiberBundleTrainingArguments(output_dir="unused", riemannian_pairs="attention")
+    with pytest.raises(TrainingError, match="riemannian_gauge applies to the riemannian-embedded optimizer, not to "
+                                            "riemannian-quotient"):
+        FiberBundleTrainingArguments(output_dir="unused", optimizer="riemannian-quotient", riemannian_gauge="continuous")
+    with pytest.raises(TrainingError, match="riemannian_gauge 'svd' is not one of balanced, continuous"):
+        FiberBundleTrainingArguments(output_dir="unused", optimizer="riemannian-embedded", riemannian_gauge="svd")
     assert FiberBundleTrainingArguments(output_dir="unused", from_config="small").orthonormal_start is True
     assert FiberBundleTrainingArguments(output_dir="unused").orthonormal_start is False

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from helpers import run_without_project
+from helpers import fake_stdlib, run_without_project
 from fiber_bundle.cli import main
 from fiber_bundle.training.data import is_named_corpus, named_corpus, stdlib_corpus, stdlib_modules
 from fiber_bundle.training.errors import TrainingError
@@ -173,24 +173,6 @@ def test_train_from_config_refuses_what_does_not_apply(tmp_path, capsys):
 # ----------------------------------------------------------------------------------------------------------------------
 # the corpus
 # ----------------------------------------------------------------------------------------------------------------------
-def fake_stdlib(root, modules: int = 12):
-    """A stand-in standard library: single-file modules, two packages (one with a tests folder) and site-packages."""
-    root.mkdir(parents=True, exist_ok=True)
-    for i in range(modules):
-        (root / f"mod{i:02d}.py").write_text(f'"""Module {i}."""\n' + f"VALUE_{i} = {i}\n" * (20 + 7 * i))
-    for package in ("pkga", "pkgb"):
-        (root / package / "sub").mkdir(parents=True)
-        (root / package / "__init__.py").write_text(f"# {package}\n" * 40)
-        (root / package / "sub" / "inner.py").write_text(f"def {package}():\n    return 1\n" * 30)
-    (root / "pkga" / "tests").mkdir()
-    (root / "pkga" / "tests" / "test_x.py").write_text("assert True\n")
-    (root / "site-packages" / "third").mkdir(parents=True)
-    (root / "site-packages" / "third" / "x.py").write_text("import os\n")
-    (root / "config-3.11-x86_64-linux-gnu").mkdir()
-    (root / "config-3.11-x86_64-linux-gnu" / "python-config.py").write_text("print(1)\n")
-    return root
-
-
 def test_stdlib_corpus_splits_by_module_with_no_module_in_both(tmp_path):
     root = fake_stdlib(tmp_path)
     modules = stdlib_modules(root)
@@ -507,6 +489,15 @@ def test_optimizer_comparison_from_scratch_puts_the_geometry_on_attention_pairs_
     assert strong["summary"]["grassmann"]["seeds"] == 2
     kinds = [group.get("kind", group["geometry"]) for group in trainers[0][1].optimizer.param_groups]
     assert kinds == ["attention"] * 4 + ["adamw"]  # 4 layers' W_Q / W_K; generators, gates and the rest: AdamW
+    assert "gauge" not in results and "gauge" not in strong  # the default: folders of earlier studies still continue
+    trainers.clear()
+    continuous = run_optimizer_comparison(None, tmp_path / "gauge", from_scratch="euclidean", gauge="continuous",
+                                          optimizers=["riemannian-embedded"], grids={"riemannian-embedded": (0.1,)},
+                                          adamw_learning_rate=1e-3, **common)
+    assert continuous["gauge"] == "continuous"
+    assert {g.get("gauge") for g in trainers[0][1].optimizer.param_groups if "pairs" in g} == {"continuous"}
+    with pytest.raises(ValueError, match="gauge 'svd' is not one of balanced, continuous"):
+        run_optimizer_comparison(None, tmp_path / "bad", from_scratch="euclidean", gauge="svd", **common)
     with pytest.raises(ValueError, match="not an analyze scratch arm"):
         run_optimizer_comparison(None, tmp_path / "bad", from_scratch="strong-x", **common)
     with pytest.raises(ValueError, match="not both"):

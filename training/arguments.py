@@ -26,7 +26,7 @@ from transformers.training_args import OptimizerNames
 from .errors import TrainingError
 from .manifolds import RETRACTIONS
 from .modes import TRAINING_MODES
-from .riemannian import OPTIMIZERS, PAIRS
+from .riemannian import GAUGES, OPTIMIZERS, PAIRS
 
 
 @dataclass
@@ -99,6 +99,10 @@ class FiberBundleTrainingArguments(TrainingArguments):
     retraction: str = field(default="qr", metadata={
         "help": "retraction of the partial-isometry optimizers (stiefel-*, grassmann): QR or polar factor",
         "choices": tuple(RETRACTIONS)})
+    riemannian_gauge: str = field(default="balanced", metadata={
+        "help": "the factors riemannian-embedded stores each retracted X as: balanced (U S^1/2, V S^1/2) or continuous "
+                "(the factors of that X nearest the previous ones; for W_Q / W_K, whose RoPE breaks the gauge symmetry)",
+        "choices": GAUGES})
     curvature_weight: float | None = field(default=None, metadata={
         "help": "weight of the curvature regulariser (default: the model config's)"})
     torsion_weight: float | None = field(default=None, metadata={
@@ -144,13 +148,16 @@ class FiberBundleTrainingArguments(TrainingArguments):
 
     def _check_options(self) -> None:
         for name, choices in (("mode", TRAINING_MODES), ("optimizer", OPTIMIZERS), ("retraction", tuple(RETRACTIONS)),
-                              ("riemannian_pairs", tuple(PAIRS))):
+                              ("riemannian_pairs", tuple(PAIRS)), ("riemannian_gauge", GAUGES)):
             if getattr(self, name) not in choices:
                 raise TrainingError(f"{name} {getattr(self, name)!r} is not one of {', '.join(choices)}.")
         if self.optimizer == "adamw" and (self.block or self.riemannian_learning_rate is not None
                                           or self.retraction != "qr" or self.riemannian_pairs != "all"):
             raise TrainingError("block, riemannian_learning_rate, riemannian_pairs and retraction apply to a Riemannian "
                                 "optimizer, not to adamw.")
+        if self.riemannian_gauge != "balanced" and self.optimizer != "riemannian-embedded":
+            raise TrainingError(f"riemannian_gauge applies to the riemannian-embedded optimizer, not to "
+                                f"{self.optimizer}: drop --riemannian_gauge or choose --optimizer riemannian-embedded.")
         if self.optimizer != "adamw" and self.metric_learning_rate is not None:
             raise TrainingError("metric_learning_rate applies to the AdamW optimiser; with a Riemannian optimizer the "
                                 "parameters outside the factored pairs use learning_rate.")

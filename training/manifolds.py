@@ -11,7 +11,8 @@ Fixed-rank matrices (X of rank r, the factors free):
   preconditioned by the factors' Gram matrices. Retraction: the straight step on the factors.
 - embedded geometry: X on the manifold of rank-r m x n matrices, with the metric of R^{m x n}. Riemannian gradient:
   the projection of G onto the tangent space {U M V^T + U_p V^T + U V_p^T}, computed from the factor gradients.
-  Retraction: the best rank-r approximation of X - t xi, from a 2r x 2r SVD.
+  Retraction: the best rank-r approximation of X - t xi, from a 2r x 2r SVD, as balanced factors or, in the
+  ``continuous_factors`` gauge, the factors of that X closest to the previous ones.
 
 Partial isometries (orthonormal factors): each factor on its own manifold,
 - Stiefel, Euclidean metric: grad = G - X sym(X^T G);
@@ -145,6 +146,20 @@ def embedded_retract(frame, tangent, step: float):
     new_u = torch.cat([u, q_u], -1) @ uk[:, :r]
     new_v = torch.cat([v, q_v], -1) @ vkh[:r].transpose(-1, -2)
     return new_u * root, new_v * root
+
+
+def continuous_factors(left: torch.Tensor, right: torch.Tensor, previous_left: torch.Tensor):
+    """The same X = left right^T in the gauge nearest the previous left factor: (left A, right A^-T) with A (r x r)
+    the least-squares solution of left A = previous_left.
+
+    Why: where the model is not a function of X alone (RoPE turns W_Q and W_K's coordinates in pairs between the two
+    factors; tanh follows a fibre code) the GL(r) gauge is not a symmetry, and the balanced factors of each retraction
+    would turn the factors' coordinates by a step that the geometry did not ask for. Falls back to the balanced factors
+    where A is not invertible (the new column space far from the old)."""
+    a = torch.linalg.lstsq(left, previous_left).solution  # (r, r)
+    if torch.linalg.matrix_rank(a) < a.shape[-1]:
+        return left, right
+    return left @ a, torch.linalg.solve(a, right.transpose(-1, -2)).transpose(-1, -2)  # right A^-T: (n, r)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -10,7 +10,9 @@ block-columns X = L [R_1; ...]^T) in which heads share a factor. Geometries:
   weight decay shrinks X by (1 - lr wd).
 - ``riemannian-embedded``: fixed rank, embedded geometry; momentum is a tangent vector transported by projection onto
   the new tangent space; weight decay as above. A rank-deficient pair (LoRA's B = 0 at the start) has no embedded
-  tangent space: it takes a quotient step until it is of full rank.
+  tangent space: it takes a quotient step until it is of full rank. The retracted X is stored as balanced factors
+  (``gauge`` "balanced") or as the factors nearest the previous ones ("continuous": for pairs the model does not
+  see through X alone, such as W_Q / W_K with RoPE between them).
 - ``stiefel-euclidean``, ``stiefel-canonical``, ``grassmann``: each factor orthonormal (X a partial isometry; for
   ``grassmann`` the factors modulo one joint rotation); momentum transported by projection; QR or polar retraction.
   The factors must start orthonormal (``start_on_isometries_`` does it without changing the model's function), and
@@ -33,6 +35,7 @@ GEOMETRIES = ("riemannian-quotient", "riemannian-embedded", "stiefel-euclidean",
 FIXED_RANK = GEOMETRIES[:2]
 OPTIMIZERS = ("adamw",) + GEOMETRIES  # the choices of ``fiber-bundle train --optimizer``
 PAIRS = {"all": ("lora", "metric", "attention"), "attention": ("attention",)}  # --riemannian-pairs: kinds it trains
+GAUGES = ("balanced", "continuous")  # --riemannian-gauge: the factors riemannian-embedded stores its X as
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -147,6 +150,7 @@ class FactoredRiemannianOptimizer(torch.optim.Optimizer):
         geometry: one of ``GEOMETRIES``.
         lr: step size; momentum: heavy-ball coefficient (0 disables it); weight_decay: decoupled, fixed-rank only.
         retraction: "qr" or "polar" (partial isometries).
+        gauge: "balanced" or "continuous": the factors riemannian-embedded stores its retracted X as (``GAUGES``).
         damping: relative regularisation of the quotient geometry's Gram inverses.
     The computation runs in float64 (factors are small); state (momentum) is kept in the parameters' dtype, as
     ``load_state_dict`` restores it, so a resumed run continues exactly. A group's state lives under its first tensor;
@@ -156,16 +160,18 @@ class FactoredRiemannianOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, groups, geometry: str = "riemannian-quotient", lr: float = 1e-3, momentum: float = 0.9,
-                 weight_decay: float = 0.0, retraction: str = "qr", damping: float = 1e-8):
+                 weight_decay: float = 0.0, retraction: str = "qr", damping: float = 1e-8, gauge: str = "balanced"):
         if geometry not in GEOMETRIES:
             raise ValueError(f"geometry {geometry!r} is not one of {GEOMETRIES}.")
         if retraction not in mf.RETRACTIONS:
             raise ValueError(f"retraction {retraction!r} is not one of {sorted(mf.RETRACTIONS)}.")
+        if gauge not in GAUGES:
+            raise ValueError(f"gauge {gauge!r} is not one of {', '.join(GAUGES)}.")
         if lr <= 0 or not 0 <= momentum < 1 or weight_decay < 0:
             raise ValueError(f"need lr > 0, 0 <= momentum < 1, weight_decay >= 0 "
                              f"(got {lr}, {momentum}, {weight_decay}).")
         defaults = dict(geometry=geometry, lr=lr, momentum=momentum, weight_decay=weight_decay, retraction=retraction,
-                        damping=damping)
+                        damping=damping, gauge=gauge)
         self._adamw = {}  # position in param_groups -> torch's AdamW over that "adamw" group's tensors
         super().__init__([dict(group) for group in groups], defaults)  # why copies: torch fills defaults into them
 
@@ -300,7 +306,10 @@ class FactoredRiemannianOptimizer(torch.optim.Optimizer):
             a, b = mf.tangent_factors(frame, tangent)
             dtype = group["params"][0].dtype  # stored as the parameter (as torch restores it)
             state[prefix + "tangent_a"], state[prefix + "tangent_b"] = a.to(dtype), b.to(dtype)
-        return mf.embedded_retract(frame, tangent, -group["lr"])
+        new_left, new_right = mf.embedded_retract(frame, tangent, -group["lr"])
+        if group.get("gauge", "balanced") == "continuous":  # .get: a state saved before gauges existed is balanced
+            return mf.continuous_factors(new_left, new_right, left)
+        return new_left, new_right
 
     def _isometry_step(self, group, state, prefix, factors, grads):
         gradient, project, horizontal = mf.ISOMETRY_GEOMETRIES[group["geometry"]]
@@ -514,12 +523,13 @@ def start_on_isometries_(model, groups: list[dict], *, fresh: bool = False) -> N
 
 def build_optimizer(model, geometry: str, *, lr: float, riemannian_lr: float | None = None, momentum: float = 0.9,
                     weight_decay: float = 0.0, retraction: str = "qr", block: bool = False, pairs: str = "all",
-                    fresh: bool = False, betas=(0.9, 0.999), eps: float = 1e-8) -> FactoredRiemannianOptimizer:
+                    fresh: bool = False, betas=(0.9, 0.999), eps: float = 1e-8,
+                    gauge: str = "balanced") -> FactoredRiemannianOptimizer:
     """One optimiser for a whole model: every trainable factored pair (``factored_groups``; ``pairs`` "attention":
     only the per-head W_Q / W_K) on ``geometry`` at ``riemannian_lr`` (default ``lr``), every other trainable parameter
     (gates, biases, norms, ...) with AdamW at ``lr``.
     For a partial-isometry geometry the factors are first made orthonormal (``start_on_isometries_``; ``fresh``: the
-    model is untrained, so W_Q / W_K may be)."""
+    model is untrained, so W_Q / W_K may be). ``gauge``: how riemannian-embedded stores X (``GAUGES``)."""
     if geometry not in GEOMETRIES:
         raise ValueError(f"optimizer {geometry!r} is not one of {OPTIMIZERS}.")
     groups = factored_groups(model, block=block, pairs=pairs)
@@ -537,4 +547,4 @@ def build_optimizer(model, geometry: str, *, lr: float, riemannian_lr: float | N
                 "eps": eps}] if rest else []
     return FactoredRiemannianOptimizer(groups, geometry=geometry, lr=lr, momentum=momentum,
                                        weight_decay=weight_decay if geometry in FIXED_RANK else 0.0,
-                                       retraction=retraction)
+                                       retraction=retraction, gauge=gauge)

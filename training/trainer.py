@@ -80,7 +80,7 @@ def build_trainer(model, train_dataset, args: FiberBundleTrainingArguments, *, e
         optimizers = (build_optimizer(model, args.optimizer, lr=args.learning_rate,
                                       riemannian_lr=args.riemannian_learning_rate, weight_decay=args.weight_decay,
                                       block=args.block, retraction=args.retraction, pairs=args.riemannian_pairs,
-                                      fresh=args.orthonormal_start,
+                                      fresh=args.orthonormal_start, gauge=args.riemannian_gauge,
                                       betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon), None)
     elif args.metric_learning_rate is not None:
         optimizers = (_two_rate_adamw(model, args), None)  # the Trainer adds its scheduler
@@ -247,7 +247,8 @@ def run_training(model_path: str | Path | None, output: str | Path, args: FiberB
         for peft_config in trainer.model.peft_config.values():
             peft_config.base_model_name_or_path = args.base_model_id
     riemannian = {"riemannian_learning_rate": args.riemannian_learning_rate or args.learning_rate, "block": args.block,
-                  "retraction": args.retraction, "riemannian_pairs": args.riemannian_pairs}
+                  "retraction": args.retraction, "riemannian_pairs": args.riemannian_pairs,
+                  "riemannian_gauge": args.riemannian_gauge}
     probe = torch.tensor((eval_set if eval_set is not None else train_set)[:2]["input_ids"])
     result = {"mode": args.mode, "steps": trainer.state.global_step, "eval_loss_before": before,
               "eval_loss_after": after, "block_size": args.block_size, "learning_rate": args.learning_rate,
