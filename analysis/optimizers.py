@@ -108,14 +108,13 @@ def run_optimizer_comparison(
     """
     from tqdm.auto import tqdm
 
+    from fiber_bundle.training.riemannian import GAUGES
     from fiber_bundle.training.trainer import evaluation_loss, train_model
 
     points = design_points()
     unknown = [name for name in optimizers if name not in points]
     if unknown or not optimizers:
         raise ValueError(f"unknown optimizer(s) {unknown}; choose from {list(points)}.")
-    from fiber_bundle.training.riemannian import GAUGES
-
     if gauge not in GAUGES:
         raise ValueError(f"gauge {gauge!r} is not one of {', '.join(GAUGES)}.")
     if (converted is None) == (from_scratch is None):
@@ -129,19 +128,11 @@ def run_optimizer_comparison(
     optimizers = sorted(optimizers, key=lambda name: name != "adamw")  # AdamW first
     output_dir = Path(output_dir)
     if from_scratch:
-        from .scratch import DEFAULT_MODEL, StepClock, arm_configs, scratch_corpus
+        from .scratch import DEFAULT_MODEL, StepClock, arm_config, scratch_corpus
         from fiber_bundle.training.scratch import byte_tokenizer, fresh_model
 
         tokenizer = byte_tokenizer()
-        alpha = from_scratch.removeprefix("strong-")
-        try:
-            configs = arm_configs(DEFAULT_MODEL, tokenizer, strong=(float(alpha),) if alpha != from_scratch else ())
-        except ValueError:
-            configs = {}
-        if from_scratch not in configs:
-            raise ValueError(f"from_scratch {from_scratch!r} is not an analyze scratch arm: euclidean, gates-0 or "
-                             "strong-ALPHA (e.g. strong-1).")
-        config = configs[from_scratch]
+        config = arm_config(from_scratch, tokenizer)
         train_set, eval_set = scratch_corpus(tokenizer, block_size, max_eval_blocks or 64, corpus_root)
         probe_ids = torch.tensor(eval_set[:1]["input_ids"])
         new_model = lambda seed: fresh_model(config, seed)  # noqa: E731

@@ -84,6 +84,20 @@ def arm_configs(model_fields: dict, tokenizer, strong=STRONG) -> dict:
     return configs
 
 
+def arm_config(arm: str, tokenizer, model_fields: dict | None = None):
+    """The FiberBundleConfig of one arm by name ("euclidean", "gates-0", "strong-ALPHA" for any ALPHA) at
+    ``model_fields`` (default ``DEFAULT_MODEL``); an unknown name is refused with the arms there are."""
+    alpha = arm.removeprefix("strong-")
+    try:
+        configs = arm_configs(model_fields or DEFAULT_MODEL, tokenizer,
+                              strong=(float(alpha),) if alpha != arm else ())
+    except ValueError:  # "strong-x": no number
+        configs = {}
+    if arm not in configs:
+        raise ValueError(f"{arm!r} is not an analyze scratch arm: euclidean, gates-0 or strong-ALPHA (e.g. strong-1).")
+    return configs[arm]
+
+
 def scratch_corpus(tokenizer, block_size: int, eval_blocks: int, root: str | Path | None = None):
     """(train blocks, held-out blocks) of the standard library corpus (``root``: its folder, default this Python's)
     split by module with split seed 0, so every run scores on the same held-out blocks; the held-out blocks are spread

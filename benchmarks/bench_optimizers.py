@@ -49,23 +49,22 @@ def main() -> None:
     from fiber_bundle.training.riemannian import GEOMETRIES, build_optimizer
 
     if args.from_scratch:
-        model, ids, pairs = scratch_setup(args.from_scratch, args.batch_size or 16, args.block_size or 128,
-                                         args.corpus_root)
+        model, ids = scratch_setup(args.from_scratch, args.batch_size or 16, args.block_size or 128, args.corpus_root)
         task = f"from scratch ({args.from_scratch}), full, geometry on W_Q / W_K"
+        attention = dict(pairs="attention", fresh=True)  # W_Q / W_K only; a fresh model may start them orthonormal
     else:
         model, tokenizer = load_causal_lm(args.converted)
         model = prepare_for_training(model, "metric-only").train()
         train_set, _, _ = corpus(tokenizer, args.block_size or 256, args.batch_size or 4)
         ids = torch.tensor(train_set[: args.batch_size or 4]["input_ids"])
-        pairs, task = "all", f"{args.converted}, metric-only"
+        task, attention = f"{args.converted}, metric-only", {}
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizers = {"adamw": torch.optim.AdamW(trainable, lr=1e-6)}
-    fresh = dict(pairs=pairs, fresh=True) if args.from_scratch else {}
     for geometry in GEOMETRIES:  # tiny rates: the weights barely move, the cost is what is measured
-        optimizers[geometry] = build_optimizer(model, geometry, lr=1e-6, riemannian_lr=1e-6, **fresh)
+        optimizers[geometry] = build_optimizer(model, geometry, lr=1e-6, riemannian_lr=1e-6, **attention)
         if geometry not in ("riemannian-quotient", "riemannian-embedded"):  # fixed rank: the block step is the stacked
             optimizers[f"{geometry} (block)"] = build_optimizer(model, geometry, lr=1e-6, riemannian_lr=1e-6,
-                                                                block=True, **fresh)
+                                                                block=True, **attention)
     forward = torch.compile(model) if args.compile else model
     times = {name: {"forward_backward": [], "step": []} for name in optimizers}
     for round_ in range(args.rounds + 1):
@@ -106,22 +105,20 @@ def main() -> None:
 
 
 def scratch_setup(arm: str, batch_size: int, block_size: int, corpus_root=None):
-    """(model, batch, pairs) of the optimiser abstract's setting: a fresh ``small`` model of ``analyze scratch``'s
-    ``arm`` (seed 0) in full training, one batch of the standard library corpus (``corpus_root``: a stand-in folder),
-    the geometry on W_Q / W_K only."""
+    """(model, batch) of the optimiser abstract's setting: a fresh ``small`` model of ``analyze scratch``'s ``arm``
+    (seed 0) in full training and one batch of the standard library corpus (``corpus_root``: a stand-in folder)."""
     import torch
 
-    from fiber_bundle.analysis.scratch import DEFAULT_MODEL, arm_configs, scratch_corpus
+    from fiber_bundle.analysis.scratch import arm_config, scratch_corpus
     from fiber_bundle.training.scratch import byte_tokenizer, fresh_model
 
     tokenizer = byte_tokenizer()
-    alpha = arm.removeprefix("strong-")
-    configs = arm_configs(DEFAULT_MODEL, tokenizer, strong=(float(alpha),) if alpha != arm else ())
-    if arm not in configs:
-        raise SystemExit(f"--from-scratch {arm!r} is not an analyze scratch arm: euclidean, gates-0 or strong-ALPHA.")
+    try:
+        config = arm_config(arm, tokenizer)
+    except ValueError as error:
+        raise SystemExit(f"--from-scratch: {error}") from None
     train_set, _ = scratch_corpus(tokenizer, block_size, 1, corpus_root)
-    ids = torch.tensor(train_set[:batch_size]["input_ids"])
-    return fresh_model(configs[arm], 0).train(), ids, "attention"
+    return fresh_model(config, 0).train(), torch.tensor(train_set[:batch_size]["input_ids"])
 
 
 if __name__ == "__main__":
