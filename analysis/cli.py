@@ -176,14 +176,26 @@ def _ide(args) -> int:
             line = ("too few layers for a fit" if fit["slope"] is None else
                     f"measured = {fit['slope']:.3f} x adjoint prediction (95 % [{fit['slope_interval'][0]:.3f}, "
                     f"{fit['slope_interval'][1]:.3f}], R² {fit['r2']:.3f})")
+            pair = model["ablation"].get("pair_fit") or {}
+            pair_line = ("" if pair.get("slope") is None else
+                         f", measured asymmetry = {pair['slope']:.3f} x predicted (R² {pair['r2']:.3f})")
             print(f"  ablation: {line}; symmetric pairs whose asymmetry has the predicted sign: "
-                  f"{model['ablation']['pair_signs_agree']} of {len(model['ablation']['pairs'])}")
+                  f"{model['ablation']['pair_signs_agree']} of {len(model['ablation']['pairs'])}{pair_line}")
+            for partial in model["ablation"].get("partial", []):
+                if partial["fit"]["slope"] is not None:
+                    print(f"  removing {partial['fraction']:g} of each update: measured = {partial['fit']['slope']:.3f}"
+                          f" x prediction (R² {partial['fit']['r2']:.3f}; the dual law's first order: 1)")
         if "rope" in model:
             decay = model["rope"]["decay"]
             print(f"  rotary recurrence ~ m^p: mean {decay['mean_fit']['exponent']:.3f} "
-                  f"(R² {decay['mean_fit']['r2']:.3f}), envelope {decay['envelope_fit']['exponent']:.3f} (R² {decay['envelope_fit']['r2']:.3f}); "
-                  f"prediction -1")
-        for name, run in ((name, model["current"][name]) for name in ("sgd", "adamw") if name in model.get("current", {})):
+                  f"(R² {decay['mean_fit']['r2']:.3f}), envelope {decay['envelope_fit']['exponent']:.3f} "
+                  f"(R² {decay['envelope_fit']['r2']:.3f}); prediction -1")
+            if decay.get("mean_log_fit", {}).get("slope") is not None:
+                log_fit = decay["mean_log_fit"]
+                print(f"  rotary recurrence linear in ln m: mean slope {log_fit['slope']:.4f} "
+                      f"(R² {log_fit['r2']:.3f})")
+        for name in (name for name in ("sgd", "adamw") if name in model.get("current", {})):
+            run = model["current"][name]
             lag = run["lags"]["1"] if "1" in run["lags"] else run["lags"][1]
             print(f"  {name} (lr {run['learning_rate']:g}): lag-1 current {lag['current']:+.4f} "
                   f"[{lag['interval'][0]:+.4f}, {lag['interval'][1]:+.4f}]"

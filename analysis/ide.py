@@ -17,10 +17,14 @@ phenomena, not formulas; the definitions below are this project's, each a choice
    whole layer's update.
 3. RoPE-torus recurrence (``rope_recurrence``): a query / key pair whose complex rotary coordinates give
    c_j = q_j conj(k_j) scores Re sum_j c_j e^{i m theta_j} at relative offset m: a point moving on the torus of
-   frequencies theta_j. Its recurrence amplitude r(m) = |sum_j c_j e^{i m theta_j}| / sum_j |c_j| is 1 at m = 0 and
-   returns near 1 only when every phase m theta_j nearly realigns; for frequencies spread over a band the sum is an
-   oscillatory integral and r(m) = O(1/m). Measured: r(m) averaged over real (q, k) pairs and its upper envelope
-   (the largest value in [m, 2m)), with the fitted exponent; one frequency alone recurs exactly (exponent 0).
+   frequencies theta_j. Its recurrence amplitude r(m) = |sum_j c_j e^{i m theta_j}| / sum_j |c_j| is at most 1, reached
+   only where every phase arg c_j + m theta_j aligns (at m = 0 when q = k); for frequencies spread evenly over a band
+   the sum is an oscillatory integral and r(m) = O(1/m), the prediction. RoPE's frequencies are spaced geometrically
+   (theta_j = base^(-2j/d)), and for such a band the integral is logarithmic instead: with every c_j = 1,
+   r(m) ~ |ln(1 / (m theta_min)) - gamma + i pi/2| / ln(theta_max / theta_min) for 1/theta_max << m << 1/theta_min
+   (the pairs with m theta_j < 1 have not yet turned). Measured: r(m) averaged over real (q, k) pairs and its upper
+   envelope (the largest value in [m, 2m)), each with a power-law fit and a fit linear in ln m; one frequency alone
+   recurs exactly (exponent 0).
 4. Probability current of training (``probability_current``): a parameter trajectory projected to a few directions,
    z_t, after burn-in; the stationary probability current shows as the antisymmetric part of the lag-tau covariance,
    (C(tau) - C(tau)^T) / 2 with C(tau) = E[z_{t+tau} z_t^T], whose entry for the top two principal directions is at
@@ -129,10 +133,17 @@ def model_torsion(model, ids: torch.Tensor, steps, layers=None) -> list[dict]:
 # ----------------------------------------------------------------------------------------------------------------------
 # 2. symmetric ablation and the adjoint prediction
 # ----------------------------------------------------------------------------------------------------------------------
-def _skip(module, args, kwargs, output):
-    """A forward hook that makes a decoder layer the identity: its output replaced by its input."""
-    hidden = args[0] if args else kwargs["hidden_states"]
-    return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+def _remove(fraction: float):
+    """A forward hook that removes ``fraction`` of a decoder layer's update: output x + (1 - fraction) u for input x
+    and update u (fraction 1: the layer becomes the identity, its output exactly its input)."""
+
+    def hook(module, args, kwargs, output):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        out = output[0] if isinstance(output, tuple) else output
+        kept = hidden if fraction == 1 else hidden + (1 - fraction) * (out - hidden)
+        return (kept, *output[1:]) if isinstance(output, tuple) else kept
+
+    return hook
 
 
 def _loss(model, ids: torch.Tensor) -> torch.Tensor:
@@ -142,10 +153,14 @@ def _loss(model, ids: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
-def ablation_responses(model, ids: torch.Tensor) -> dict:
+def ablation_responses(model, ids: torch.Tensor, fractions=()) -> dict:
     """Per layer i: the held-out loss change when layer i is removed (measured), the adjoint's first-order prediction
     -<dLoss/dx_{i+1}, u_i>, and per symmetric pair (i, L - 1 - i) the measured and predicted asymmetries
-    dLoss_i - dLoss_{L-1-i}. Also the fit of measured against predicted over all layers (slope, R^2)."""
+    dLoss_i - dLoss_{L-1-i}. Also the fits of measured against predicted (slope, R^2, the slope's interval) over all
+    layers and over the pairs' asymmetries, and how many pairs' asymmetries have the predicted sign. For each of
+    ``fractions`` (say 0.01, 0.1), the same with only that fraction s of each update removed, where the prediction is
+    s times the full one: the slope tends to 1 as s -> 0 (the dual law holds to first order), and how far it moves
+    from 1 as s grows to 1 says how nonlinear the whole layer's removal is."""
     from .probes import decoder
 
     ids = ids.to(model.device)
@@ -168,20 +183,31 @@ def ablation_responses(model, ids: torch.Tensor) -> dict:
             hook.remove()
     predicted = [-(out.grad * (out - inp)).sum().item() for out, inp in zip(outputs, inputs)]
     model.zero_grad(set_to_none=True)
-    measured = []
-    with torch.no_grad():
-        for layer in blocks:
-            hook = layer.register_forward_hook(_skip, with_kwargs=True)
-            try:
-                measured.append(_loss(model, ids).item() - full.item())
-            finally:
-                hook.remove()
+
+    def responses(fraction):
+        changes = []
+        with torch.no_grad():
+            for layer in blocks:
+                hook = layer.register_forward_hook(_remove(fraction), with_kwargs=True)
+                try:
+                    changes.append(_loss(model, ids).item() - full.item())
+                finally:
+                    hook.remove()
+        return changes
+
+    measured = responses(1.0)
+    partial = []
+    for fraction in fractions:
+        changes = responses(float(fraction))
+        partial.append({"fraction": float(fraction), "measured": changes,
+                        "fit": linear_fit([fraction * p for p in predicted], changes)})
     count = len(blocks)
     pairs = [{"layers": [i, count - 1 - i], "measured": measured[i] - measured[count - 1 - i],
               "predicted": predicted[i] - predicted[count - 1 - i]} for i in range(count // 2)]
     return {"loss": full.item(), "measured": measured, "predicted": predicted, "pairs": pairs,
             "fit": linear_fit(predicted, measured),
-            "pair_signs_agree": sum((p["measured"] > 0) == (p["predicted"] > 0) for p in pairs)}
+            "pair_fit": linear_fit([p["predicted"] for p in pairs], [p["measured"] for p in pairs]),
+            "pair_signs_agree": sum((p["measured"] > 0) == (p["predicted"] > 0) for p in pairs), "partial": partial}
 
 
 def linear_fit(x, y, confidence: float = 0.95) -> dict:
@@ -219,7 +245,8 @@ def rope_recurrence(coefficients: torch.Tensor, inv_freq: torch.Tensor, offsets)
 
 def recurrence_decay(offsets, values, low: int, high: int | None = None) -> dict:
     """The mean recurrence and its upper envelope (the largest value over [m, 2m)) at offsets m in [low, high / 2], each
-    with a power-law fit (exponent -1 is the O(1/m) prediction)."""
+    with a power-law fit (exponent -1 is the O(1/m) prediction) and a linear fit in ln m (a geometric band's
+    logarithmic decay: slope near -1 / ln(theta_max / theta_min))."""
     offsets = [int(m) for m in offsets]
     values = [float(v) for v in values]
     high = high or offsets[-1]
@@ -227,8 +254,10 @@ def recurrence_decay(offsets, values, low: int, high: int | None = None) -> dict
     grid = [m for m in offsets if low <= m <= high // 2]
     envelope = [max(at[o] for o in offsets if m <= o < 2 * m) for m in grid]
     mean = [at[m] for m in grid]
+    logs = [math.log(m) for m in grid]
     return {"offsets": grid, "mean": mean, "envelope": envelope, "mean_fit": _fit(grid, mean),
-            "envelope_fit": _fit(grid, envelope)}
+            "envelope_fit": _fit(grid, envelope), "mean_log_fit": linear_fit(logs, mean),
+            "envelope_log_fit": linear_fit(logs, envelope)}
 
 
 def _fit(x, y) -> dict | None:
@@ -328,6 +357,9 @@ def rotary_pairs(model, ids: torch.Tensor, pairs: int = 64, seed: int = 0) -> to
     return torch.stack(out)
 
 
+ABLATION_FRACTIONS = (0.01, 0.1)  # partial removals: where the adjoint (first-order) prediction should hold
+
+
 def run_ide(output_dir, models, *, labels=None, observables=("torsion", "ablation", "rope", "current"),
             samples: int = 2, length: int = 256, torsion_steps=None, torsion_layers=None, ablation_blocks: int = 8,
             rope_pairs: int = 64, rope_max_offset: int | None = None, current_steps: int = 300,
@@ -339,7 +371,8 @@ def run_ide(output_dir, models, *, labels=None, observables=("torsion", "ablatio
 
     - torsion: ``model_torsion`` in float64 on ``samples`` x ``length`` tokens of sample text, steps ``torsion_steps``
       (default 1e-4 ... 1), every layer (or ``torsion_layers``);
-    - ablation: ``ablation_responses`` on ``ablation_blocks`` held-out blocks of 256 tokens (the main job's split);
+    - ablation: ``ablation_responses`` on ``ablation_blocks`` held-out blocks of 256 tokens (the main job's split),
+      whole layers and the fractions ``ABLATION_FRACTIONS`` of their updates;
     - rope: the recurrence amplitude averaged over ``rope_pairs`` (q, k) pairs per layer and head, offsets up to
       ``rope_max_offset`` (default: the model's context), with ``recurrence_decay``'s fits, and the bare kernel
       (every c_j = 1);
@@ -400,7 +433,8 @@ def _measure(observable: str, source, settings: dict) -> dict:
         return {"layers": layers, "exponent_median": float(torch.tensor(exponents).median()) if exponents else None}
     if observable == "ablation":
         model, tokenizer = load_causal_lm(source, dtype=torch.float32)
-        return ablation_responses(model, _held_out_ids(tokenizer, settings["ablation_blocks"]))
+        return ablation_responses(model, _held_out_ids(tokenizer, settings["ablation_blocks"]),
+                                  fractions=ABLATION_FRACTIONS)
     if observable == "rope":
         model, tokenizer = load_causal_lm(source, dtype=torch.float32)
         ids = sample_ids(tokenizer, settings["samples"], settings["length"])

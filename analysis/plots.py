@@ -225,8 +225,11 @@ def plot_scratch(results: dict, path: str | Path) -> Path:
 def plot_ide(results: dict, path: str | Path) -> Path:
     """The four IDE observables per model: splitting torsion against the step h (median over layers, h^2 for
     reference), ablation loss change measured against the adjoint prediction, rotary recurrence against the offset
-    (mean and envelope, 1/m for reference) and the two principal coordinates of the SGD and AdamW trajectories."""
+    (mean and envelope, 1/m for reference) and the two principal coordinates of the detrended SGD and AdamW
+    trajectories."""
     import torch
+
+    from .ide import _detrend
 
     fig, (ax_torsion, ax_ablation, ax_rope, ax_current) = figure(ncols=2, nrows=2)
     for colour, (label, model) in enumerate(results["models"].items()):
@@ -250,8 +253,7 @@ def plot_ide(results: dict, path: str | Path) -> Path:
                 ax_rope.loglog(rope["offsets"], [1 / m for m in rope["offsets"]], ":", color="k", label="1/m")
         if "current" in model:
             for style, name in (("-", "sgd"), ("--", "adamw")):
-                z = torch.tensor(model["current"][name]["trajectory"], dtype=torch.float64)
-                z = z - z.mean(0)
+                z = _detrend(torch.tensor(model["current"][name]["trajectory"], dtype=torch.float64))  # as measured
                 _, _, vh = torch.linalg.svd(z, full_matrices=False)
                 plane = z @ vh[:2].T
                 ax_current.plot(plane[:, 0], plane[:, 1], style, color=c, lw=0.6, label=f"{label}, {name}")
@@ -265,7 +267,7 @@ def plot_ide(results: dict, path: str | Path) -> Path:
     ax_rope.set_xlabel("relative offset m")
     ax_rope.set_ylabel("recurrence |sum c_j e^{i m theta_j}| / sum |c_j|")
     ax_rope.legend(fontsize=7)
-    ax_current.set_xlabel("principal coordinate 1")
+    ax_current.set_xlabel("principal coordinate 1 (last layer's parameters, detrended)")
     ax_current.set_ylabel("principal coordinate 2")
     ax_current.legend(fontsize=7)
     return save_figure(fig, path)

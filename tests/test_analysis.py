@@ -483,13 +483,15 @@ def test_analyze_ide_end_to_end_and_resumes(tiny_folders, tmp_path, capsys, monk
             "--rope-max-offset", "256", "--current-steps", "180", "--current-block-size", "16"]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "median exponent over layers" in out and "lag-1 current" in out
+    assert "median exponent over layers" in out and "lag-1 current" in out and "linear in ln m" in out
     data = read_outputs(tmp_path, "ide")
     for label in ("source", "trained"):
         model = data["models"][label]
         assert len(model["torsion"]["layers"]) == 2 and abs(model["torsion"]["exponent_median"] - 2) < 0.1
         assert len(model["ablation"]["measured"]) == 2 and model["ablation"]["loss"] > 0
         assert model["rope"]["offsets"][-1] == 256 and len(model["rope"]["mean"]) == len(model["rope"]["offsets"])
+        assert model["rope"]["decay"]["mean_log_fit"]["r2"] is not None and "pair_fit" in model["ablation"]
+        assert [p["fraction"] for p in model["ablation"]["partial"]] == list(ide.ABLATION_FRACTIONS)
         assert model["rope"]["kernel"][0] == pytest.approx(abs(sum(
             complex(math.cos(f), math.sin(f)) for f in model["rope"]["inv_freq"])) / len(model["rope"]["inv_freq"]))
         for name in ("sgd", "adamw"):

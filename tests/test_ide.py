@@ -94,6 +94,23 @@ def test_adjoint_prediction_of_an_ablation_becomes_exact_as_updates_shrink(monke
     assert errors[2] < 3e-3 and errors[2] < errors[1] / 5 < errors[0] / 10  # shrinking like eps
     pair = result["pairs"][0]
     assert pair["measured"] == pytest.approx(result["measured"][0] - result["measured"][1])
+    deeper = tiny_model(metric_rank=0, ffn_metric_rank=0, num_hidden_layers=6)  # three symmetric pairs
+    with torch.no_grad():
+        for layer in deeper.model.layers:
+            layer.self_attn.o_proj.weight.mul_(1e-4)
+            layer.mlp.down_proj.weight.mul_(1e-4)
+    result = ide.ablation_responses(deeper, ids)
+    assert len(result["pairs"]) == 3 and result["pairs"][2]["layers"] == [2, 3]
+    assert result["pair_fit"]["slope"] == pytest.approx(1.0, abs=1e-2) and result["pair_fit"]["r2"] > 0.999
+    assert result["fit"]["slope"] == pytest.approx(1.0, abs=1e-2) and result["pair_signs_agree"] == 3
+    # unscaled, removing a small fraction s of each update: the prediction s times the full one holds to first order
+    model = tiny_model(metric_rank=0, ffn_metric_rank=0, num_hidden_layers=6)
+    result = ide.ablation_responses(model, ids, fractions=(1e-3, 0.5))
+    small, large = result["partial"]
+    assert small["fraction"] == 1e-3 and len(small["measured"]) == 6
+    assert small["fit"]["slope"] == pytest.approx(1.0, abs=5e-3) and small["fit"]["r2"] > 0.9999
+    assert all(m == pytest.approx(1e-3 * p, rel=2e-2) for m, p in zip(small["measured"], result["predicted"]))
+    assert large["fit"]["r2"] < small["fit"]["r2"]
 
 
 def test_linear_fit_recovers_a_known_line():
@@ -136,6 +153,26 @@ def test_one_frequency_recurs_and_a_band_is_suppressed_as_one_over_m():
     assert all(r[m - 1] <= 1.01 * 2 / (m * (b - a)) for m in offsets)  # |int e^{i m t} dt| / (b - a) bound
     decay = ide.recurrence_decay(offsets, r.tolist(), low=16)
     assert decay["envelope_fit"]["exponent"] == pytest.approx(-1.0, abs=0.1)
+
+
+def test_a_geometric_band_like_ropes_decays_logarithmically_not_as_one_over_m():
+    """RoPE's frequencies are spaced geometrically: the sum is the integral of e^{i m theta} d theta / theta, whose
+    closed form Ci and Si give r(m) exactly for a dense band, and which falls linearly in ln m with slope near
+    -1 / ln(theta_max / theta_min), far from the power law m^-1."""
+    from scipy.special import sici
+
+    count, low, high = 20000, 1e-6, 1.0
+    band = torch.exp(torch.linspace(math.log(low), math.log(high), count, dtype=torch.float64))
+    offsets = [int(m) for m in torch.logspace(2, 4.5, 40).round().tolist()]
+    r = ide.rope_recurrence(torch.ones(count, dtype=torch.complex128), band, offsets)
+    span = math.log(high / low)
+    for m, value in zip(offsets, r.tolist()):
+        (si_high, ci_high), (si_low, ci_low) = sici(m * high), sici(m * low)
+        assert value == pytest.approx(abs(complex(ci_high - ci_low, si_high - si_low)) / span, abs=3e-3)
+    decay = ide.recurrence_decay(offsets, r.tolist(), low=100, high=offsets[-1])
+    fit = decay["mean_log_fit"]
+    assert fit["slope"] == pytest.approx(-1 / span, rel=0.1) and fit["r2"] > 0.999
+    assert decay["mean_fit"]["exponent"] > -0.5  # nowhere near the O(1/m) law
 
 
 # ----------------------------------------------------------------------------------------------------------------------
