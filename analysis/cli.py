@@ -158,7 +158,7 @@ def _geometry(args) -> int:
 
 
 def _ide(args) -> int:
-    from .ide import run_ide
+    from .ide import run_ide, trajectory_currents
 
     results = run_ide(args.out, args.models, labels=args.labels, observables=args.observables, samples=args.samples,
                       length=args.length, torsion_steps=args.torsion_steps, torsion_layers=args.torsion_layers,
@@ -197,9 +197,12 @@ def _ide(args) -> int:
         for name in (name for name in ("sgd", "adamw") if name in model.get("current", {})):
             run = model["current"][name]
             lag = run["lags"]["1"] if "1" in run["lags"] else run["lags"][1]
+            curved = trajectory_currents(run["trajectory"], degree=2, lags=(1,))[1]  # is it the drift's curvature?
             print(f"  {name} (lr {run['learning_rate']:g}): lag-1 current {lag['current']:+.4f} "
                   f"[{lag['interval'][0]:+.4f}, {lag['interval'][1]:+.4f}]"
-                  + (" excludes 0" if lag["excludes_zero"] else " includes 0"))
+                  + (" excludes 0" if lag["excludes_zero"] else " includes 0")
+                  + f"; quadratics removed {curved['current']:+.4f} [{curved['interval'][0]:+.4f}, "
+                    f"{curved['interval'][1]:+.4f}]" + (" excludes 0" if curved["excludes_zero"] else " includes 0"))
     print(f"-> {Path(args.out) / 'ide.json'}, {Path(args.out) / 'ide.png'}")
     return 0
 

@@ -379,7 +379,7 @@ def run_ide(output_dir, models, *, labels=None, observables=("torsion", "ablatio
     - current: the model trained in full at a constant rate with SGD (no momentum) and with AdamW, ``current_steps``
       steps of ``current_batch`` x ``current_block_size`` tokens of the pydoc training split, the trajectory of the
       last decoder layer's parameters projected on ``current_dims`` random directions, ``probability_current`` at lags
-      1, 2, 5 and 10 (detrended: a least-squares line through each coordinate removed first)."""
+      1, 2, 5 and 10 (``trajectory_currents``: a least-squares line through each coordinate removed first)."""
     import json
     import time
     from pathlib import Path
@@ -460,11 +460,19 @@ def _inv_freq(model) -> torch.Tensor:
     return decoder(model).rotary_emb.inv_freq.double().cpu()
 
 
-def _detrend(z: torch.Tensor) -> torch.Tensor:
-    """Each column minus its least-squares line in the step index."""
-    t = torch.arange(len(z), dtype=torch.float64)
-    design = torch.stack([t, torch.ones_like(t)], dim=1)
+def _detrend(z: torch.Tensor, degree: int = 1) -> torch.Tensor:
+    """Each column minus its least-squares polynomial of ``degree`` in the step index (1: a line)."""
+    t = torch.linspace(-1.0, 1.0, len(z), dtype=torch.float64)  # scaled: powers of raw step counts are ill-conditioned
+    design = torch.stack([t ** power for power in range(degree + 1)], dim=1)
     return z - design @ torch.linalg.lstsq(design, z).solution
+
+
+def trajectory_currents(trajectory, degree: int = 1, lags=(1, 2, 5, 10), batches: int = 10) -> dict:
+    """``probability_current`` at each lag of a recorded trajectory (steps x K) after removing a polynomial trend of
+    ``degree`` from each coordinate: the slow relaxation of a run that has not reached its steady state sweeps area
+    too, and a higher degree (2 beside the default 1) checks that the current is not that drift's curvature."""
+    z = _detrend(torch.as_tensor(trajectory, dtype=torch.float64), degree)
+    return {lag: probability_current(z, lag=lag, batches=batches) for lag in lags}
 
 
 def training_current(source, optimizer: str, options: dict, seed: int = 0) -> dict:
@@ -497,7 +505,6 @@ def training_current(source, optimizer: str, options: dict, seed: int = 0) -> di
         optim.zero_grad(set_to_none=True)
         recorder.record()
         losses.append(loss.item())
-    z = _detrend(recorder.trajectory().double())
     return {"learning_rate": rate, "losses": losses, "trajectory": recorder.trajectory().tolist(),
             "recorded_parameters": sum(p.numel() for p in recorder.parameters),
-            "lags": {lag: probability_current(z, lag=lag, batches=10) for lag in (1, 2, 5, 10)}}
+            "lags": trajectory_currents(recorder.trajectory())}

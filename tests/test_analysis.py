@@ -484,6 +484,7 @@ def test_analyze_ide_end_to_end_and_resumes(tiny_folders, tmp_path, capsys, monk
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "median exponent over layers" in out and "lag-1 current" in out and "linear in ln m" in out
+    assert "quadratics removed" in out
     data = read_outputs(tmp_path, "ide")
     for label in ("source", "trained"):
         model = data["models"][label]

@@ -211,6 +211,20 @@ def test_a_reversible_process_has_no_current_and_a_rotating_one_its_own():
         ide.probability_current(ar1(0.3, steps=20))
 
 
+def test_a_curved_drift_sweeps_area_that_quadratic_detrending_removes():
+    """A run still relaxing is not a steady state: a reversible process plus a drift whose coordinates are a parabola
+    and a cubic (a loop once lines are removed) shows a 'current' after linear detrending in most of 20 runs; removing
+    quadratics leaves the reversible process, whose intervals cover 0 (trajectory_currents, degree 2)."""
+    u = torch.linspace(-1, 1, 400, dtype=torch.float64)
+    drift = 20 * torch.stack([(3 * u ** 2 - 1) / 2, (5 * u ** 3 - 3 * u) / 2], dim=1)  # Legendre P2, P3
+    linear = quadratic = 0
+    for seed in range(20):
+        z = ar1(0.0, steps=400, seed=seed) + drift
+        linear += ide.trajectory_currents(z, lags=(1,))[1]["excludes_zero"]
+        quadratic += ide.trajectory_currents(z, degree=2, lags=(1,))[1]["excludes_zero"]
+    assert linear >= 16 and quadratic <= 3
+
+
 def test_trajectory_recorder_projects_the_trainable_parameters():
     weight = torch.nn.Parameter(rand(3, 4))
     frozen = torch.nn.Parameter(rand(5), requires_grad=False)
