@@ -256,6 +256,7 @@ def plot_ide(results: dict, path: str | Path) -> Path:
                 z = _detrend(torch.tensor(model["current"][name]["trajectory"], dtype=torch.float64))  # as measured
                 _, _, vh = torch.linalg.svd(z, full_matrices=False)
                 plane = z @ vh[:2].T
+                plane = plane / plane.std(0)  # standardised, as probability_current reads it (AdamW moves farther)
                 ax_current.plot(plane[:, 0], plane[:, 1], style, color=c, lw=0.6, label=f"{label}, {name}")
     ax_torsion.set_xlabel("step h")
     ax_torsion.set_ylabel("||T(h)|| / ||X|| (dotted: h^2)")
@@ -267,7 +268,7 @@ def plot_ide(results: dict, path: str | Path) -> Path:
     ax_rope.set_xlabel("relative offset m")
     ax_rope.set_ylabel("recurrence |sum c_j e^{i m theta_j}| / sum |c_j|")
     ax_rope.legend(fontsize=7)
-    ax_current.set_xlabel("principal coordinate 1 (last layer's parameters, detrended)")
-    ax_current.set_ylabel("principal coordinate 2")
+    ax_current.set_xlabel("principal coordinate 1 (detrended, standardised)")
+    ax_current.set_ylabel("principal coordinate 2 (standardised)")
     ax_current.legend(fontsize=7)
     return save_figure(fig, path)
