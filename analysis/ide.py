@@ -268,6 +268,14 @@ def _fit(x, y) -> dict | None:
 # ----------------------------------------------------------------------------------------------------------------------
 # 4. probability current of training
 # ----------------------------------------------------------------------------------------------------------------------
+def principal_plane(z: torch.Tensor) -> torch.Tensor:
+    """(T, 2): the top two principal coordinates of a trajectory (T x K), centred and standardised."""
+    z = z - z.mean(0)
+    _, _, vh = torch.linalg.svd(z, full_matrices=False)
+    plane = z @ vh[:2].T
+    return plane / plane.std(0).clamp_min(1e-300)
+
+
 def probability_current(trajectory: torch.Tensor, *, lag: int = 1, burn_in: float = 0.2, batches: int = 20) -> dict:
     """The stationary probability current of a trajectory (T x K, one row per step) in the plane of its top two
     principal directions after ``burn_in`` (a fraction of the steps): a = (E[x_t y_{t+lag}] - E[y_t x_{t+lag}]) / 2 of
@@ -283,9 +291,7 @@ def probability_current(trajectory: torch.Tensor, *, lag: int = 1, burn_in: floa
     if len(z) < batches * (lag + 4):
         raise ValueError(f"{len(z)} steps after burn-in: too few for a lag-{lag} current in {batches} batches.")
     z = z - z.mean(0)
-    _, _, vh = torch.linalg.svd(z, full_matrices=False)
-    plane = z @ vh[:2].T  # (T, 2): the top two principal coordinates
-    plane = plane / plane.std(0).clamp_min(1e-300)
+    plane = principal_plane(z)
 
     def statistic(p):
         x, y = p[:, 0], p[:, 1]

@@ -229,7 +229,7 @@ def plot_ide(results: dict, path: str | Path) -> Path:
     trajectories."""
     import torch
 
-    from .ide import _detrend
+    from .ide import _detrend, principal_plane
 
     fig, (ax_torsion, ax_ablation, ax_rope, ax_current) = figure(ncols=2, nrows=2)
     for colour, (label, model) in enumerate(results["models"].items()):
@@ -253,10 +253,9 @@ def plot_ide(results: dict, path: str | Path) -> Path:
                 ax_rope.loglog(rope["offsets"], [1 / m for m in rope["offsets"]], ":", color="k", label="1/m")
         if "current" in model:
             for style, name in (("-", "sgd"), ("--", "adamw")):
-                z = _detrend(torch.tensor(model["current"][name]["trajectory"], dtype=torch.float64))  # as measured
-                _, _, vh = torch.linalg.svd(z, full_matrices=False)
-                plane = z @ vh[:2].T
-                plane = plane / plane.std(0)  # standardised, as probability_current reads it (AdamW moves farther)
+                # as probability_current reads it: detrended, standardised (AdamW moves farther than SGD)
+                plane = principal_plane(_detrend(torch.tensor(model["current"][name]["trajectory"],
+                                                              dtype=torch.float64)))
                 ax_current.plot(plane[:, 0], plane[:, 1], style, color=c, lw=0.6, label=f"{label}, {name}")
     ax_torsion.set_xlabel("step h")
     ax_torsion.set_ylabel("||T(h)|| / ||X|| (dotted: h^2)")
