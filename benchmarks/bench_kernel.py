@@ -4,7 +4,7 @@ Full run (one GPU; the whole default grid is meant to fit well inside 10 minutes
 
     .venv/bin/python benchmarks/bench_kernel.py --json benchmarks/results_kernel.json
 
-Smoke run (no GPU: tiny shapes on CPU tensors under Triton's interpreter; checks the kernel against the reference
+Smoke run (no GPU: tiny shapes on CPU tensors under Triton's interpreter; checks the kernel against the blocked
 path and prints the same table, whose times and rates mean nothing there):
 
     .venv/bin/python benchmarks/bench_kernel.py --smoke
@@ -52,8 +52,14 @@ if SMOKE:  # Triton reads this when the kernels are defined, i.e. when the model
 
 import torch  # noqa: E402
 
-from modeling_fiber_bundle.fiber_attention import bounded_factors, reference_geodesic_attention  # noqa: E402
-from modeling_fiber_bundle.triton_attention import triton_available, triton_geodesic_attention  # noqa: E402
+from modeling_fiber_bundle.fiber_attention import bounded_factors  # noqa: E402
+from modeling_fiber_bundle.triton_attention import (  # noqa: E402
+    KernelSignature,
+    check_kernel,
+    kernel_tolerances,
+    triton_available,
+    triton_geodesic_attention,
+)
 
 TARGET = 0.60
 
@@ -140,33 +146,23 @@ def calls(kind, mode, inputs, scale, grad_out):
     return run_backward
 
 
-def check(device, ranks, dtypes, n=70, d=64, tiles=None):
-    """The kernel against the reference path (float64) on a small causal input with a padded row block: the largest
-    error of the output and of every gradient, relative to the largest reference value. Raises if above tolerance."""
+def check(device, ranks, dtypes, n, d, group):
+    """The self-check of fiber_attention_kernel="auto" (``triton_attention.check_kernel``: forward and every gradient
+    against the blocked path in float64, a padded causal boolean mask) on n tokens at the grid's head_dim and GQA group,
+    for each rank and dtype. Raises if an error is above its tolerance (``KERNEL_TOLERANCE``)."""
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     rows = []
     for r in ranks:
         for dtype in dtypes:
-            exact = [t.double() for t in make_inputs(2, 4, 2, n, d, r, torch.float32, "cpu", seed=r)]
-            allowed = torch.ones(2, 1, n, n, dtype=torch.bool).tril()
-            allowed[1, :, :, :5] = False  # five left-padded keys: rows 0-4 of batch 1 see nothing
-            exact = [t.requires_grad_(True) for t in exact]
-            q, f, k, v, a, g = exact
-            ref, _ = reference_geodesic_attention(q, f, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), a, g,
-                                                  d**-0.5, allowed)
-            weight = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-            ref_grads = torch.autograd.grad((ref * weight).sum(), exact)
-            low = [t.detach().to(device, dtype if i in (0, 2, 3) else torch.float32).requires_grad_(True)
-                   for i, t in enumerate(exact)]
-            out = triton_geodesic_attention(*low, d**-0.5, allowed.to(device), tiles=tiles)
-            grads = torch.autograd.grad((out.double() * weight.to(device)).sum(), low)
-            errors = {name: ((x.double().cpu() - y).abs().max() / y.abs().max()).item()
-                      for name, x, y in zip(["out", "dq", "dU", "dk", "dv", "dalpha", "dgamma"],
-                                            [out, *grads], [ref, *ref_grads])}
-            tolerance = 1e-4 if dtype == torch.float32 else 5e-2
-            worst = max(errors.values())
-            rows.append({"r": r, "dtype": str(dtype).removeprefix("torch."), "max_rel_error": worst, **errors})
-            print(f"check r={r} {dtype}: max relative error {worst:.2e} (tolerance {tolerance:g})", flush=True)
-            if not worst <= tolerance:
+            signature = KernelSignature(device.type, capability, dtype, r, d, group, False, "boolean", True)
+            errors = check_kernel(signature, device, tokens=n)
+            tolerances = kernel_tolerances(dtype, d)
+            worst = max(errors, key=lambda name: errors[name] / tolerances[name])
+            rows.append({"r": r, "dtype": str(dtype).removeprefix("torch."), "max_rel_error": errors[worst],
+                         "tolerance": tolerances[worst], **errors})
+            print(f"check r={r} {dtype}: largest relative error {errors[worst]:.2e} ({worst}; tolerance "
+                  f"{tolerances[worst]:g})", flush=True)
+            if not all(errors[name] <= tolerances[name] for name in errors):
                 raise SystemExit(f"kernel check failed at r={r}, {dtype}: {errors}")
     return rows
 
@@ -237,7 +233,8 @@ def parse_args(argv=None):
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls before timing (default: 3)")
     parser.add_argument("--iters", type=int, default=10, help="timed calls; the median is reported (default: 10)")
     parser.add_argument("--no-check", action="store_true",
-                        help="skip the correctness check of the kernel against the reference path before timing")
+                        help="skip the correctness check before timing (the self-check of 'auto': the kernel against "
+                             "the blocked path in float64, forward and every gradient)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1): checks the "
                              "kernel and prints the table; its times mean nothing")
@@ -273,9 +270,8 @@ def main(argv=None):
     print(json.dumps(env), flush=True)
     checks = []
     if not args.no_check:
-        tiles = (16, 16) if args.smoke else None
         checks = check(device, args.ranks, [torch.float32, getattr(torch, args.dtype)], n=40 if args.smoke else 300,
-                       d=16 if args.smoke else args.head_dim, tiles=tiles)
+                       d=16 if args.smoke else args.head_dim, group=args.heads // args.kv_heads)
     results = run_grid(args, device)
     print(table(results, args.smoke))
     if args.json:

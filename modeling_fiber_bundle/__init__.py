@@ -4,10 +4,12 @@ Importing this package registers the model with transformers' Auto classes (``Au
 ``AutoModelForCausalLM`` and the task heads ``AutoModelForSequenceClassification``, ``AutoModelForTokenClassification``,
 ``AutoModelForQuestionAnswering``). ``save_pretrained`` writes a folder holding the configuration and modeling files
 and an ``auto_map`` for all of them, so the folder loads with ``trust_remote_code=True`` where this package is not
-installed. It also drops one notice bitsandbytes logs when it is imported (below).
+installed. It also drops two notices of optional packages, bitsandbytes' and DeepSpeed's, that a user reads as a
+failure of a run where they mean nothing (below).
 """
 
 import logging
+import os
 
 from transformers import (
     AutoConfig,
@@ -51,5 +53,14 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
     lambda record: not record.getMessage().startswith(BITSANDBYTES_KERNEL_NOTICE))
 logging.getLogger("kernels._internals.hf_hub").addFilter(
     lambda record: not record.getMessage().startswith(BITSANDBYTES_KERNEL_OFFLINE))
+
+# accelerate imports DeepSpeed wherever it is installed (the Trainer unwraps every model through
+# `extract_model_from_parallel`, which imports `DeepSpeedEngine`), and DeepSpeed then logs on a machine without a GPU
+# "[WARNING] ... Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it.": noise in
+# a run that never uses DeepSpeed, and on a machine that has no GPU, where CPU is the right answer. Dropped there only:
+# where the machine has an NVIDIA device that torch cannot see (a CPU build of torch on a GPU machine), it passes.
+DEEPSPEED_CPU_NOTICE = "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it."
+if not os.path.exists("/dev/nvidiactl"):
+    logging.getLogger("DeepSpeed").addFilter(lambda record: record.getMessage() != DEEPSPEED_CPU_NOTICE)
 
 __all__ = ["FiberBundleConfig", *modeling_fiber_bundle.__all__]

@@ -19,9 +19,20 @@ accumulates in float32 (the pseudo-query tiles are cast to the key dtype for the
 combine and the softmax stay in float32).
 """
 
+import contextlib
+import warnings
+from typing import NamedTuple
+
 import torch
 
-from .fiber_attention import _kernel_mask, _kernel_operands, _operand_grads, prepare_geodesic_inputs
+from .fiber_attention import (
+    _kernel_mask,
+    _kernel_operands,
+    _operand_grads,
+    blocked_geodesic_attention,
+    bounded_factors,
+    prepare_geodesic_inputs,
+)
 
 try:  # optional: nothing below needs Triton unless the kernel runs
     import triton
@@ -32,6 +43,9 @@ except ImportError:
 # Triton decides when a kernel is defined (at import) whether it runs compiled (CUDA) or interpreted (CPU tensors)
 INTERPRETED = triton is not None and bool(triton.knobs.runtime.interpret)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# The kernels launch one program per (tile, batch x head) on a grid whose second axis holds batch x heads; CUDA allows
+# at most 65535 there, so a larger batch x heads cannot launch (and the self-check, at batch 2, would not see it).
+MAX_GRID_HEADS = 65535
 
 
 def triton_available() -> bool:
@@ -39,18 +53,22 @@ def triton_available() -> bool:
     return triton is not None
 
 
-def use_triton_kernel(kernel: str, query: torch.Tensor, dropout: float) -> bool:
+def use_triton_kernel(kernel: str, query: torch.Tensor, dropout: float, factors: torch.Tensor | None = None,
+                      key: torch.Tensor | None = None, attention_mask=None, training: bool = False) -> bool:
     """Whether the default (blocked) branch of ``geodesic_attention_forward`` runs this kernel.
 
-    ``kernel`` is ``config.fiber_attention_kernel``: "pytorch" never; "auto" for CUDA tensors of a kernel dtype when
-    Triton imports, without attention dropout (inside ``torch.compile`` too: the kernels are custom operators);
-    "triton" always, or a clear error where it cannot run. ``dropout`` is the probability actually applied (0 in
-    evaluation).
+    ``kernel`` is ``config.fiber_attention_kernel``: "pytorch" never; "triton" always, or a clear error where it cannot
+    run; "auto" where the kernel applies (``kernel_applies``: CUDA tensors of a kernel dtype, Triton imports, no
+    attention dropout) and has passed its self-check on this call's signature (``kernel_signature``,
+    ``kernel_passes_self_check``), which needs ``factors``, ``key``, ``attention_mask`` and ``training`` (whether
+    gradients flow). ``dropout`` is the probability actually applied (0 in evaluation).
     """
     if kernel == "pytorch":
         return False
     if kernel == "auto":
-        return triton is not None and query.is_cuda and query.dtype in KERNEL_DTYPES and dropout == 0
+        if not kernel_applies(query, dropout):
+            return False
+        return kernel_passes_self_check(*kernel_signature(query, factors, key, attention_mask, training))
     if triton is None:
         raise ImportError(
             "fiber_attention_kernel='triton' needs Triton, which is not installed: `pip install triton` (or "
@@ -62,6 +80,20 @@ def use_triton_kernel(kernel: str, query: torch.Tensor, dropout: float) -> bool:
             "attention_dropout=0.0, or fiber_attention_kernel='auto' (which then uses the blocked PyTorch path)."
         )
     return True
+
+
+def kernel_applies(query: torch.Tensor, dropout: float) -> bool:
+    """The rule of "auto" before its self-check: Triton imports, ``query`` is on a device "auto" runs the kernel on
+    (``auto_device``), of a kernel dtype, with at most ``MAX_GRID_HEADS`` (batch x heads), and no attention dropout
+    applies (inside ``torch.compile`` too: the kernels are custom operators)."""
+    return (triton is not None and auto_device(query) and query.dtype in KERNEL_DTYPES and dropout == 0
+            and query.shape[0] * query.shape[1] <= MAX_GRID_HEADS)
+
+
+def auto_device(query: torch.Tensor) -> bool:
+    """Whether "auto" runs the kernel on ``query``'s device: CUDA only (on CPU tensors Triton's interpreter is far
+    slower than the blocked path; the tests replace this function to let the interpreter stand in for a GPU)."""
+    return query.is_cuda
 
 
 def _tiles(r: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -78,11 +110,16 @@ _stages_found: dict = {}
 
 def _run(kernel, grid, *args, **meta):
     """Launch ``kernel`` with the deepest pipeline that fits (Triton raises OutOfResources at compile time for one that
-    does not); the depth found is remembered per kernel and constants, so a failing depth is compiled once."""
+    does not); the depth found is remembered per kernel and constants, so a failing depth is compiled once. Launched
+    on the device of the first tensor argument (Triton launches on the current CUDA device: a model placed on
+    cuda:1 by a device map must not have its kernels run on cuda:0)."""
     key = (kernel.fn.__name__, *sorted(meta.items()))
+    device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+    on_device = torch.cuda.device if device is not None and device.type == "cuda" else contextlib.nullcontext
     for stages in STAGES[STAGES.index(_stages_found.get(key, STAGES[0])):]:
         try:
-            kernel[grid](*args, **meta, num_stages=stages)
+            with on_device(device):
+                kernel[grid](*args, **meta, num_stages=stages)
         except triton.runtime.errors.OutOfResources:
             if stages == STAGES[-1]:
                 raise
@@ -410,6 +447,12 @@ def _check_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
                 f"The Triton geodesic attention takes float16, bfloat16 or float32 tensors, got {name} in {t.dtype}: "
                 "cast the model (model.to(torch.bfloat16)) or set fiber_attention_kernel='pytorch'."
             )
+    if query.shape[0] * query.shape[1] > MAX_GRID_HEADS:
+        raise ValueError(
+            f"The Triton geodesic attention launches at most {MAX_GRID_HEADS} (batch x heads) programs per tile; got "
+            f"batch {query.shape[0]} x {query.shape[1]} heads: split the batch, or set fiber_attention_kernel='auto' "
+            "or 'pytorch' (the blocked PyTorch path)."
+        )
     if not query.is_cuda and not INTERPRETED:
         raise ValueError(
             "The Triton geodesic attention runs on CUDA tensors (or on CPU under Triton's interpreter, with "
@@ -538,5 +581,184 @@ def triton_geodesic_attention(
     return out.to(value.dtype).view(b, hk * g, q_len, d)
 
 
-__all__ = ["KERNEL_DTYPES", "OP_NAMESPACE", "geodesic_backward_op", "geodesic_forward_op", "triton_available",
+# ---------------------------------------------------------------------------------------------------------------------
+# The self-check before first use (fiber_attention_kernel="auto"; docs/design.md 1.5)
+# ---------------------------------------------------------------------------------------------------------------------
+# The kernel's tolerance against the blocked path in float64, per input dtype: max |kernel - exact| <= tolerance *
+# max |exact| over each whole tensor (the output and every gradient). The interpreter tests (tests/
+# test_triton_attention.py) and the self-check both use it. float32 tiles multiply in full precision ("ieee"), so
+# only float32 roundings of sums remain; 16-bit inputs have their pseudo-query tiles and probabilities rounded to the
+# input dtype before their products (8 significant bits in bfloat16, 11 in float16).
+KERNEL_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 4e-2, torch.float16: 1e-2}
+# the self-check's problem: a few hundred tokens, two sequences (one left-padded where the mask allows it), two KV heads
+SELF_CHECK_TOKENS = 256
+MASK_KINDS = ("causal", "none", "boolean", "float")
+GRADIENT_NAMES = ("query", "factors", "key", "value", "alpha", "gamma")
+
+
+class KernelSignature(NamedTuple):
+    """What the self-check of "auto" is keyed by: each field selects a different compiled variant of the kernels or a
+    different way of running them (``kernel_signature`` reads them off a call)."""
+
+    device: str  # "cuda", or "cpu" (Triton's interpreter, in the tests)
+    capability: tuple[int, int] | None  # the CUDA compute capability, e.g. (9, 0); None on the CPU
+    dtype: torch.dtype  # of query, key and value
+    rank: int  # r, rows of each token's factors
+    head_dim: int
+    group_size: int  # query heads per KV head (GQA)
+    shared_factors: bool  # one set of factors per KV group (True) or per query head
+    mask: str  # one of MASK_KINDS: "causal" (None, q > 1), "none" (None, one query row), "boolean", "float"
+    training: bool  # gradients flow: the backward kernels run too
+
+    def describe(self) -> str:
+        where = "CPU (Triton's interpreter)" if self.capability is None else (
+            f"CUDA capability {self.capability[0]}.{self.capability[1]}")
+        factors = "factors shared by each KV group" if self.shared_factors else "factors per head"
+        return (f"{where}, {str(self.dtype).removeprefix('torch.')}, r={self.rank}, head_dim={self.head_dim}, "
+                f"GQA group {self.group_size} ({factors}), {self.mask} mask, "
+                f"{'training (forward and backward)' if self.training else 'inference (forward)'}")
+
+
+def mask_kind(attention_mask, q_len) -> str:
+    """Which of ``MASK_KINDS`` a mask as transformers passes it is (the kernel's CAUSAL / HAS_ALLOWED / HAS_ADD)."""
+    if attention_mask is None:
+        return "causal" if q_len > 1 else "none"
+    if hasattr(attention_mask, "mask_mod") or attention_mask.dtype == torch.bool:  # flex's BlockMask is read as bool
+        return "boolean"
+    return "float"
+
+
+def kernel_signature(query, factors, key, attention_mask, training: bool) -> tuple:
+    """The arguments of ``kernel_passes_self_check`` for one call (python constants, so that under ``torch.compile``
+    the decision is a constant of the graph): query (B, H, q, d), factors (B, Hf, q, r, d), key (B, Hk, kv, d)."""
+    heads, kv_heads = query.shape[1], key.shape[1]
+    return (query.device.type, query.device.index, query.dtype, factors.shape[-2], query.shape[-1],
+            heads // kv_heads, factors.shape[1] != heads, mask_kind(attention_mask, query.shape[2]), bool(training))
+
+
+def kernel_tolerances(dtype: torch.dtype, head_dim: int) -> dict[str, float]:
+    """``KERNEL_TOLERANCE`` for the output and each gradient. gamma's is sqrt(d/2) times wider: d gamma =
+    -(scale/2) sum_j ||k_j||^2 d bias_j with sum_j d bias_j = 0 per row, terms of size ~d that cancel to a result of
+    size ~sqrt(2 d), so rounding weighs sqrt(d/2) times more there (in the blocked path's float32 as well)."""
+    base = KERNEL_TOLERANCE[dtype]
+    return {"output": base, **{name: base * (max(1.0, (head_dim / 2) ** 0.5) if name == "gamma" else 1.0)
+                               for name in GRADIENT_NAMES}}
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |actual - expected| / max |expected| over the whole tensor (inf where ``actual`` is not finite)."""
+    if not torch.isfinite(actual).all():
+        return float("inf")
+    err = (actual.to(torch.float64) - expected.to(torch.float64)).abs().max().item()
+    return err / max(expected.abs().max().item(), 1e-30)
+
+
+def self_check_problem(signature: KernelSignature, tokens: int = SELF_CHECK_TOKENS, seed: int = 0):
+    """A random problem of ``signature`` in float64 on the CPU: [query (2, 2 g, q, d), factors (2, Hf, q, r, d), key,
+    value (2, 2, kv, d), alpha, gamma (2 g,)] and the allowed-key mask (2, 1, q, kv) or None. q = kv = ``tokens``
+    (q = 1 for the "none" kind); with a mask, the second sequence's first tokens / 8 keys are padding, so its first
+    rows attend to nothing. Drawn from its own generator (the caller's random state is left alone)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    b, hk, d, r, g = 2, 2, signature.head_dim, signature.rank, signature.group_size
+    h = hk * g
+    q_len = 1 if signature.mask == "none" else tokens
+    query, key, value = randn(b, h, q_len, d), randn(b, hk, tokens, d), randn(b, hk, tokens, d)
+    factors = bounded_factors(randn(b, hk if signature.shared_factors else h, q_len, r, d))  # spectral norm < 1
+    alpha = 0.9 * torch.rand(h, generator=gen, dtype=torch.float64) - 0.3  # gates awake, some negative
+    gamma = torch.rand(h, generator=gen, dtype=torch.float64)
+    allowed = None
+    if signature.mask in ("boolean", "float"):
+        allowed = torch.ones(q_len, tokens, dtype=torch.bool).tril(tokens - q_len)[None, None].repeat(b, 1, 1, 1)
+        allowed[1, :, :, : tokens // 8] = False  # left padding
+    return [query, factors, key, value, alpha, gamma], allowed
+
+
+def check_kernel(signature: KernelSignature, device: torch.device, tokens: int = SELF_CHECK_TOKENS,
+                 seed: int = 0) -> dict[str, float]:
+    """The kernel against the blocked path on a random problem of ``signature`` (``self_check_problem``) on
+    ``device``: the ``relative_error`` of the output and, in training, of every input's gradient under a random
+    weighting of the output. The kernel gets query, key and value in the signature's dtype and the factors and gates
+    in float32 (as the model passes them); the blocked path gets the very same values in float64, so the errors are
+    the kernel's own rounding. Exceptions of the kernel (a Triton compile error, a launch failure) propagate."""
+    exact, allowed = self_check_problem(signature, tokens, seed)
+    low_dtypes = [signature.dtype, torch.float32, signature.dtype, signature.dtype, torch.float32, torch.float32]
+    training = signature.training
+    with torch.autocast(device.type, enabled=False), torch.set_grad_enabled(training):
+        inputs = [t.to(device, dtype).requires_grad_(training) for t, dtype in zip(exact, low_dtypes)]
+        references = [t.detach().to(torch.float64).requires_grad_(training) for t in inputs]
+        kernel_mask = reference_mask = None if allowed is None else allowed.to(device)
+        if signature.mask == "float":  # a 4-D float mask: arbitrary values added, the dtype's minimum where blocked
+            values = torch.randn(allowed.shape, generator=torch.Generator().manual_seed(seed + 1)).to(device)
+            kernel_mask = values.to(signature.dtype).masked_fill(~allowed.to(device), torch.finfo(signature.dtype).min)
+            blocked = ~allowed.to(device)
+            reference_mask = kernel_mask.to(torch.float64).masked_fill(blocked, torch.finfo(torch.float64).min)
+        scale = signature.head_dim**-0.5
+        out = triton_geodesic_attention(*inputs, scale, kernel_mask)
+        ref = blocked_geodesic_attention(*references, scale, reference_mask)
+        errors = {"output": relative_error(out, ref)}
+        if training:
+            weight = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed + 2), dtype=torch.float64)
+            weight = weight.to(device)
+            grads = torch.autograd.grad((out.to(torch.float64) * weight).sum(), inputs)
+            ref_grads = torch.autograd.grad((ref * weight).sum(), references)
+            errors.update({name: relative_error(grad, expected)
+                           for name, grad, expected in zip(GRADIENT_NAMES, grads, ref_grads)})
+    return errors
+
+
+# The verdict of each signature met in this process: True (the kernel passed its self-check), False (it failed; the
+# blocked path runs for that signature). One dict per loaded copy of this file, like the operators' namespace.
+_verdicts: dict[KernelSignature, bool] = {}
+
+
+@torch.compiler.assume_constant_result
+def kernel_passes_self_check(device_type: str, device_index: int | None, dtype: torch.dtype, rank: int,
+                             head_dim: int, group_size: int, shared_factors: bool, mask: str, training: bool) -> bool:
+    """Whether "auto" runs the kernel for this signature (the arguments of ``KernelSignature`` less the capability,
+    read here from the device): the first call of a signature runs ``check_kernel`` and remembers its verdict in
+    ``_verdicts``; a failure (an error above ``KERNEL_TOLERANCE`` or an exception) warns once and answers False.
+
+    Why ``assume_constant_result``: under ``torch.compile`` this runs once while the graph is traced, outside the
+    traced region, and its answer is a constant of the graph (no graph break, no recompile per step; every field of
+    the signature is something the graph already guards on: device, dtype, shapes, mask type, grad mode)."""
+    device = torch.device(device_type, device_index)
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    signature = KernelSignature(device.type, capability, dtype, rank, head_dim, group_size, shared_factors, mask,
+                                training)
+    if signature not in _verdicts:
+        _verdicts[signature] = _self_check(signature, device)
+    return _verdicts[signature]
+
+
+def _self_check(signature: KernelSignature, device: torch.device) -> bool:
+    """Run ``check_kernel``; on a failure, one warning naming the signature, what failed and the two ways out."""
+    tolerances = kernel_tolerances(signature.dtype, signature.head_dim)
+    try:
+        errors = check_kernel(signature, device, SELF_CHECK_TOKENS)
+    except Exception as exc:  # noqa: BLE001  a Triton compile error, OutOfResources, a bad launch: fall back safely
+        message = " ".join(str(exc).split())
+        detail = f"the kernel raised {type(exc).__name__}: {message[:300]}{'...' if len(message) > 300 else ''}"
+    else:
+        worst = max(errors, key=lambda name: errors[name] / tolerances[name])
+        if all(errors[name] <= tolerances[name] for name in errors):
+            return True
+        detail = (f"its largest relative difference from the blocked PyTorch path is {errors[worst]:.3g} in the "
+                  f"{worst if worst == 'output' else worst + ' gradient'} (tolerance {tolerances[worst]:.3g})")
+    warnings.warn(
+        f"The fused Triton geodesic attention failed its self-check on {signature.describe()}: {detail}. This process "
+        "uses the blocked PyTorch path (the same function, slower) for that case from now on. Set "
+        "config.fiber_attention_kernel='pytorch' to use it without the check (and without this warning), or "
+        "fiber_attention_kernel='triton' to force the kernel anyway.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+    return False
+
+
+__all__ = ["KERNEL_DTYPES", "KERNEL_TOLERANCE", "OP_NAMESPACE", "KernelSignature", "check_kernel",
+           "geodesic_backward_op", "geodesic_forward_op", "kernel_passes_self_check", "triton_available",
            "triton_geodesic_attention", "use_triton_kernel"]

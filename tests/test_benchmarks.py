@@ -201,3 +201,31 @@ def test_optimizer_benchmark_from_scratch_times_every_design_point(tmp_path):
         assert row["step"] > 0 and row["forward_backward"] > 0 and row["total_vs_adamw"] > 0
     bad = run_script("bench_optimizers.py", "--from-scratch", "strong", "--corpus-root", str(root), "--rounds", "1")
     assert bad.returncode != 0 and "not an analyze scratch arm" in bad.stderr
+
+
+def test_gpu_check_dry_run_lists_every_part_and_runs_nothing(tmp_path):
+    """benchmarks/gpu_check.py --dry-run: each part, what it runs and its time limit; the limits fit one 10-minute call
+    of a lent GPU; nothing is run (no result file appears)."""
+    proc = run_script("gpu_check.py", "--dry-run", "--json", str(tmp_path / "gpu.json"), timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for part in ("kernel-tests", "guard", "bench-kernel", "compiled-step", "bf16-spd"):
+        assert f"  {part} (" in proc.stdout, part
+    assert "tests/test_triton_attention.py tests/test_kernel_guard.py" in proc.stdout
+    assert "bench_kernel.py --lengths" in proc.stdout and "18 signatures" in proc.stdout
+    total = int(proc.stdout.split("limits add up to ")[1].split(" s")[0])
+    assert total <= 600
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.heavy
+def test_gpu_check_smoke_runs_every_part(tmp_path):
+    """benchmarks/gpu_check.py --smoke: every part, each in its own process, at tiny sizes on CPU tensors under Triton's
+    interpreter (the GPU command proven end to end without a GPU): each passes, and the table and JSON hold them."""
+    out = tmp_path / "gpu.json"
+    proc = run_script("gpu_check.py", "--smoke", "--json", str(out), timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert set(data["results"]) == {"kernel-tests", "guard", "bench-kernel", "compiled-step", "bf16-spd"}
+    assert all(result["ok"] for result in data["results"].values()), data["results"]
+    assert data["results"]["compiled-step"]["graphs"] == 1 and data["results"]["guard"]["signatures"]
+    assert "| guard |" in proc.stdout and data["environment"]["smoke"]

@@ -5,6 +5,10 @@ fixtures ``gguf`` and ``converted`` are in conftest.py.
 """
 
 import json
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +20,7 @@ from fiber_bundle.conversion.assets import SMOLLM2_HUB_ID
 from modeling_fiber_bundle import FiberBundleForCausalLM
 
 pytestmark = pytest.mark.heavy
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def check_report(folder):
@@ -194,3 +199,21 @@ def test_qlora_on_converted_smollm2_lowers_the_loss(converted, tmp_path):
     metrics = json.loads((tmp_path / "qlora" / "training_metrics.json").read_text())
     assert metrics["quantization"] == "4-bit NF4"
     assert metrics["eval_loss_after"] < metrics["eval_loss_before"] - 0.1, metrics
+
+
+# what a user reads as something gone wrong, in any line the main job prints (stdout or stderr, progress bars split at
+# their carriage returns)
+ALARMING = re.compile(r"warn|error|fail|traceback|unable|could not|cannot|deprecat|not found|exception", re.IGNORECASE)
+
+
+def test_main_job_prints_nothing_a_user_reads_as_a_failure(gguf, tmp_path):
+    """The README's main job (docs/quickstart.py; one training step here instead of 40) on a machine without a GPU:
+    every line it prints reads as success. Optional packages it never uses stay quiet (DeepSpeed, which accelerate
+    imports wherever it is installed: its "Setting accelerator to CPU ... we were unable to detect it"; bitsandbytes'
+    kernel notice); the parity line says PASSED."""
+    run = subprocess.run([sys.executable, str(ROOT / "docs" / "quickstart.py"), "--out", str(tmp_path / "fbt"),
+                          "--train-steps", "1"], capture_output=True, text=True, cwd=tmp_path, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [line for line in re.split(r"[\r\n]", run.stdout + "\n" + run.stderr) if line.strip()]
+    assert [line for line in lines if ALARMING.search(line)] == []
+    assert any("-> PASSED" in line for line in lines) and any("held-out eval loss" in line for line in lines)
