@@ -8,7 +8,8 @@ geometry on its W_Q / W_K pairs (``--from-scratch ARM``: the optimiser abstract'
 One model, one fixed batch (pydoc topics, or 16 x 128 bytes of the standard library's source from scratch); every
 round times, for each optimiser in turn, the forward + backward pass and the optimiser's ``step`` (interleaved, so
 drifts of the machine's speed touch every optimiser alike). ``--compile``: the forward + backward pass runs through
-``torch.compile`` (the optimisers' steps stay eager, as in training). Printed: the median times, the ratio of each
+``torch.compile``, each decoder layer compiled alone as ``--torch-compile`` trains (accelerate's ``compile_regions``,
+fullgraph; the optimisers' steps stay eager, as in training). Printed: the median times, the ratio of each
 optimiser's step to AdamW's, and of a training step (AdamW's forward + backward plus the optimiser's step) to AdamW's.
 The model's weights drift as the optimisers take turns stepping it (a partial-isometry optimiser first makes W_Q / W_K
 orthonormal); that changes no cost. Results are appended to benchmarks/results_optimizers.json.
@@ -32,7 +33,8 @@ def main() -> None:
                              "full training, the geometries on its W_Q / W_K pairs")
     parser.add_argument("--corpus-root", default=None,
                         help="with --from-scratch: a folder of .py files standing in for the standard library")
-    parser.add_argument("--compile", action="store_true", help="run the forward + backward pass through torch.compile")
+    parser.add_argument("--compile", action="store_true",
+                        help="run the forward + backward pass through torch.compile, each decoder layer alone")
     parser.add_argument("--rounds", type=int, default=4, help="timed rounds (after one warm-up round)")
     parser.add_argument("--batch-size", type=int, default=None, help="blocks per step (default 4; from scratch 16)")
     parser.add_argument("--block-size", type=int, default=None,
@@ -42,6 +44,8 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
+
+    from accelerate.utils import compile_regions
 
     from fiber_bundle.analysis.compare import corpus
     from fiber_bundle.analysis.models import load_causal_lm
@@ -65,7 +69,7 @@ def main() -> None:
         if geometry not in ("riemannian-quotient", "riemannian-embedded"):  # fixed rank: the block step is the stacked
             optimizers[f"{geometry} (block)"] = build_optimizer(model, geometry, lr=1e-6, riemannian_lr=1e-6,
                                                                 block=True, **attention)
-    forward = torch.compile(model) if args.compile else model
+    forward = compile_regions(model, fullgraph=True) if args.compile else model  # as --torch-compile trains it
     times = {name: {"forward_backward": [], "step": []} for name in optimizers}
     for round_ in range(args.rounds + 1):
         for name, optimizer in optimizers.items():

@@ -18,10 +18,13 @@ the CPU with ``--threads`` threads. Cases:
   and its geometry woken (``common.build_fiber``), batch 1, against that ``LlamaForCausalLM`` (sdpa); the fibre model
   trained in full and metric-only (only the ``fiber`` parameters train; the backbone's full step is the reference).
 
-Eager: the models' steps alternate (A B B A ...), ``--repeats`` rounds after a warm-up; medians. Compiled:
-``torch.compile(model, fullgraph=True)`` (inductor) in a fresh inductor cache, so that the first step's time is the
-compile time (reported as first step minus one compiled step); then the same interleaved rounds. The compiled loss of
-the first step is checked against the eager one and the number of graphs against 1. Ratios are fibre / backbone.
+Eager: the models' steps alternate (A B B A ...), ``--repeats`` rounds after a warm-up; medians. Compiled: as
+``fiber-bundle train --torch-compile`` compiles, each decoder layer alone (accelerate's ``compile_regions``,
+fullgraph, inductor: one compiled code serves every layer) and the embedding, final norm and head apart; ``--whole``
+compiles the whole model instead (``torch.compile(model, fullgraph=True)``, one graph). In a fresh inductor cache, so
+that the first step's time is the compile time (reported as first step minus one compiled step); then the same
+interleaved rounds. The compiled loss of the first step is checked against the eager one, and the number of frames
+dynamo compiled is reported. Ratios are fibre / backbone.
 """
 
 import argparse
@@ -32,6 +35,7 @@ import tempfile
 import time
 
 import torch
+from accelerate.utils import compile_regions
 
 from common import (
     FULL_SHAPE,
@@ -123,7 +127,7 @@ def stepper(model, ids, mode: str):
 # ----------------------------------------------------------------------------------------------------------------------
 # Measuring
 # ----------------------------------------------------------------------------------------------------------------------
-def run_case(name: str, quick: bool, repeats: int, compile_models: bool) -> dict:
+def run_case(name: str, quick: bool, repeats: int, compile_models: bool, whole: bool = False) -> dict:
     models, ids, modes = build_case(name, quick)
     labels = list(models)
     # a copy of each model before any step, for the compiled run (same weights, fresh optimiser)
@@ -143,7 +147,10 @@ def run_case(name: str, quick: bool, repeats: int, compile_models: bool) -> dict
     for label, first_loss in zip(labels, first_losses):
         model = fresh[label]
         counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
-        compiled = torch.compile(model, fullgraph=True, backend=counter)
+        if whole:
+            compiled = torch.compile(model, fullgraph=True, backend=counter)
+        else:
+            compiled = compile_regions(model, fullgraph=True, backend=counter)
         step = stepper(model, ids, modes[label])
         step_compiled = lambda step=step, compiled=compiled: step(compiled)  # noqa: E731
         start = time.perf_counter()
@@ -204,6 +211,9 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds per mode (default 6, 2 with --quick)")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="time the eager steps only")
+    parser.add_argument("--whole", action="store_true",
+                        help="compile the whole model as one graph instead of each decoder layer alone (the way "
+                             "--torch-compile trains since issue 44)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run of every path in seconds")
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH")
     args = parser.parse_args(argv)
@@ -213,11 +223,12 @@ def main(argv=None):
     repeats = args.repeats or (2 if args.quick else 6)
     env = common_environment(args.quick)
     env.update(shape="per case (see cases)", batch="per case", cpu=cpu_model(),
-               step="forward with labels, backward, AdamW step, float32")
+               step="forward with labels, backward, AdamW step, float32",
+               compiled="whole model" if args.whole else "each decoder layer alone (accelerate's compile_regions)")
     cases = []
     for name in args.cases:
         print(f"case {name} ...", flush=True)
-        cases.append(run_case(name, args.quick, repeats, args.compile))
+        cases.append(run_case(name, args.quick, repeats, args.compile, args.whole))
     finish(env, {"cases": cases}, print_report, args.json)
 
 

@@ -63,7 +63,8 @@ def step(model, inputs):
     model.zero_grad(set_to_none=True)
     loss = model(**inputs).loss
     loss.backward()
-    return loss.detach(), {n.removeprefix("_orig_mod."): p.grad.clone() for n, p in model.named_parameters()
+    # a compiled module's parameters are named through its wrapper(s): "_orig_mod." (the whole model, or each layer)
+    return loss.detach(), {n.replace("_orig_mod.", ""): p.grad.clone() for n, p in model.named_parameters()
                            if p.grad is not None}
 
 
@@ -100,27 +101,61 @@ def test_compiled_training_step_is_one_graph_with_the_eager_loss_and_gradients(c
         assert counter.frame_count == 1, f"{case}: {counter.frame_count} graphs after batch {seed}"
 
 
+def test_regional_compilation_compiles_one_layer_for_every_layer_with_the_eager_step():
+    """How --torch-compile trains (accelerate's ``compile_regions``, fullgraph; docs/design.md 1.5 "Compiled"; no KV
+    cache, as the Trainer's ``use_cache=False`` sets): each decoder layer compiled alone gives the eager loss and
+    gradients (left-padded batch, regularisers on), and a model twice as deep compiles exactly as many frames, the
+    layers' code compiled once and reused by every layer."""
+    from accelerate.utils import compile_regions
+
+    frames = {}
+    for layers in (2, 4):
+        torch.compiler.reset()
+        eager = set_gates(tiny_model(dtype=torch.float32, metric_hidden=16, num_hidden_layers=layers,
+                                     curvature_weight=0.3, torsion_weight=0.2)).train()
+        counter = CompileCounterWithBackend("inductor")
+        compiled = compile_regions(copy.deepcopy(eager), fullgraph=True, backend=counter)
+        for seed in (0, 1):
+            inputs = {**batch(seed, padded=True), "use_cache": False}
+            assert_same_step(step(eager, inputs), step(compiled, inputs))
+        frames[layers] = counter.frame_count
+    assert frames[2] == frames[4] >= 1, frames
+    torch.compiler.reset()
+
+
 @pytest.mark.heavy
 def test_train_command_with_torch_compile_compiles_without_a_graph_break(tmp_path, capsys):
     """`fiber-bundle train --torch-compile` (transformers' TrainingArguments.torch_compile) trains a from-scratch model
-    through the compiled model, with no graph break, and lowers the held-out loss."""
+    through the compiled model, with no graph break, and lowers the held-out loss; it compiles by layer, so a model
+    twice as deep traces exactly as many operations (the decoder layer's code once for every layer; the whole model as
+    one graph traces every layer's copy)."""
+    import json
+
     from torch._dynamo.utils import counters
 
     from fiber_bundle.cli import main
+    from fiber_bundle.training.scratch import PRESET_COMMON, PRESETS
 
-    torch.compiler.reset()
-    counters.clear()
     text = (tmp_path / "train.txt", tmp_path / "eval.txt")
     text[0].write_text("def add(a, b):\n    return a + b\n" * 60)
     text[1].write_text("def add(x, y):\n    return x + y\n" * 10)
-    assert main(["train", str(tmp_path / "out"), "--from-config", "tiny", "--max-steps", "6", "--batch-size", "2",
-                 "--block-size", "32", "--learning-rate", "1e-2", "--torch-compile", "--quiet",
-                 "--data", str(text[0]), "--eval-data", str(text[1])]) == 0
-    printed = capsys.readouterr().out
-    before, after = (float(x) for x in printed.split("eval loss: ")[1].split()[0::2])
-    assert after < before
-    assert counters["stats"]["unique_graphs"] >= 1, "the Trainer did not compile the model"
-    assert not counters["graph_break"], dict(counters["graph_break"])
+    deeper = tmp_path / "tiny-4-layers.json"
+    deeper.write_text(json.dumps({**PRESET_COMMON, **PRESETS["tiny"], "num_hidden_layers": 4}))
+    graphs = {}
+    for layers, config in ((2, "tiny"), (4, str(deeper))):
+        torch.compiler.reset()
+        counters.clear()
+        assert main(["train", str(tmp_path / f"out-{layers}"), "--from-config", config, "--max-steps", "6",
+                     "--batch-size", "2", "--block-size", "32", "--learning-rate", "1e-2", "--torch-compile", "--quiet",
+                     "--data", str(text[0]), "--eval-data", str(text[1])]) == 0
+        printed = capsys.readouterr().out
+        before, after = (float(x) for x in printed.split("eval loss: ")[1].split()[0::2])
+        assert after < before
+        assert counters["stats"]["unique_graphs"] >= 1, "the Trainer did not compile the model"
+        assert not counters["graph_break"], dict(counters["graph_break"])
+        graphs[layers] = counters["stats"]["unique_graphs"], counters["stats"]["calls_captured"]
+    assert graphs[2] == graphs[4], graphs
+    torch.compiler.reset()
 
 
 def test_design_properties_hold_on_the_compiled_path():

@@ -7,6 +7,10 @@
 ``merge`` and ``publish``).
 """
 
+# first: the filters of two optional packages' notices (bitsandbytes', DeepSpeed's) must be in place before peft or
+# the Trainer imports them, in a script that imports this package before the model too
+import modeling_fiber_bundle  # noqa: F401
+
 from .modes import LORA_TARGET_MODULES, TRAINING_MODES, prepare_for_training, trainable_parameter_names
 
 __all__ = ["LORA_TARGET_MODULES", "TRAINING_MODES", "prepare_for_training", "trainable_parameter_names"]

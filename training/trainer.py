@@ -87,8 +87,21 @@ def build_trainer(model, train_dataset, args: FiberBundleTrainingArguments, *, e
     trainer = GeometryLoggingTrainer(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                                      data_collator=default_data_collator, probe_ids=probe_ids, optimizers=optimizers)
     _check_fsdp_applies(trainer)
+    _compile_by_layer(trainer)
     _console(trainer)
     return trainer
+
+
+def _compile_by_layer(trainer) -> None:
+    """Under ``torch_compile`` (``--torch-compile``): regional compilation, fullgraph. accelerate compiles each decoder
+    layer alone (its ``compile_regions``, which the Trainer's ``prepare`` runs) and the embedding, final norm and head
+    apart. Why: the layers are one class with one forward, and inductor takes their parameters as inputs, so the first
+    layer's compiled code serves every layer: compile time stays that of one layer whatever the depth, where compiling
+    the whole model compiles every layer's copy (docs/design.md 1.5, "Compiled"; the step is as fast)."""
+    if trainer.args.torch_compile:
+        plugin = trainer.accelerator.state.dynamo_plugin
+        plugin.use_regional_compilation = True
+        plugin.fullgraph = True  # a graph break inside a layer is an error, not a silent slow path
 
 
 def _check_fsdp_applies(trainer) -> None:
