@@ -544,6 +544,11 @@ def geodesic_decode_step(query, factors, key, value, alpha, gamma, scale, attent
     return out.to(value.dtype).view(b, h, 1, d)
 
 
+def gradients_flow(*tensors: torch.Tensor) -> bool:
+    """Whether a backward will run through these tensors: gradients are enabled and one of them requires them."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def blocked_geodesic_attention(
     query, factors, key, value, alpha, gamma, scale, attention_mask=None, block_size=64, dropout: Dropout | None = None
 ) -> torch.Tensor:
@@ -553,7 +558,7 @@ def blocked_geodesic_attention(
     group); key, value (B, Hk, kv, d) (not repeated); alpha, gamma (H,); dropout from ``draw_dropout``. Returns the
     attention output (B, H, q, d) in value's dtype.
     """
-    training = torch.is_grad_enabled() and any(t.requires_grad for t in (query, factors, key, value, alpha, gamma))
+    training = gradients_flow(query, factors, key, value, alpha, gamma)
     if query.shape[2] == 1 and dropout is None and not training:
         return geodesic_decode_step(query, factors, key, value, alpha, gamma, scale, attention_mask)
     grouped_q, grouped_f, grouped_alpha, bias = prepare_geodesic_inputs(query, factors, key, alpha, gamma, scale)

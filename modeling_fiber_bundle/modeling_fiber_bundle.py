@@ -331,9 +331,9 @@ def geodesic_attention_forward(
         # the default: extra memory O(q x block), shared KV-group factors unexpanded (U_i^T k_j once per group)
         attn_weights = None
         attention = blocked_geodesic_attention
-        training = torch.is_grad_enabled() and any(t.requires_grad for t in (query, factors, key, value, alpha, gamma))
         # the fused kernel (triton_attention.py) where the config asks for it and, under "auto", its self-check passed
-        if use_triton_kernel(config.fiber_attention_kernel, query, dropout, factors, key, attention_mask, training):
+        if use_triton_kernel(config.fiber_attention_kernel, query, dropout, factors, key, attention_mask,
+                             (value, alpha, gamma)):
             attention = triton_geodesic_attention
         attn_output = attention(
             query, factors, key, value, alpha, gamma, scaling, attention_mask, config.attention_block_size,

@@ -31,6 +31,7 @@ from .fiber_attention import (
     _operand_grads,
     blocked_geodesic_attention,
     bounded_factors,
+    gradients_flow,
     prepare_geodesic_inputs,
 )
 
@@ -54,20 +55,22 @@ def triton_available() -> bool:
 
 
 def use_triton_kernel(kernel: str, query: torch.Tensor, dropout: float, factors: torch.Tensor | None = None,
-                      key: torch.Tensor | None = None, attention_mask=None, training: bool = False) -> bool:
+                      key: torch.Tensor | None = None, attention_mask=None, others: tuple = ()) -> bool:
     """Whether the default (blocked) branch of ``geodesic_attention_forward`` runs this kernel.
 
     ``kernel`` is ``config.fiber_attention_kernel``: "pytorch" never; "triton" always, or a clear error where it cannot
     run; "auto" where the kernel applies (``kernel_applies``: CUDA tensors of a kernel dtype, Triton imports, no
     attention dropout) and has passed its self-check on this call's signature (``kernel_signature``,
-    ``kernel_passes_self_check``), which needs ``factors``, ``key``, ``attention_mask`` and ``training`` (whether
-    gradients flow). ``dropout`` is the probability actually applied (0 in evaluation).
+    ``kernel_passes_self_check``), which needs ``factors``, ``key``, ``attention_mask`` and the call's ``others``
+    (value, alpha, gamma: whether gradients flow is read off all of them, and only here, off the hot path of the CPU).
+    ``dropout`` is the probability actually applied (0 in evaluation).
     """
     if kernel == "pytorch":
         return False
     if kernel == "auto":
         if not kernel_applies(query, dropout):
             return False
+        training = gradients_flow(query, factors, key, *others)
         return kernel_passes_self_check(*kernel_signature(query, factors, key, attention_mask, training))
     if triton is None:
         raise ImportError(

@@ -20,6 +20,7 @@ from helpers import random_ids, set_gates, tiny_model  # noqa: E402
 from modeling_fiber_bundle import modeling_fiber_bundle as modeling  # noqa: E402
 from modeling_fiber_bundle import triton_attention  # noqa: E402
 from modeling_fiber_bundle.triton_attention import KernelSignature, check_kernel, kernel_tolerances  # noqa: E402
+from test_triton_attention import assert_near  # noqa: E402
 
 if not torch.cuda.is_available() and not triton_attention.INTERPRETED:
     pytest.skip("no GPU, and the kernels were defined without TRITON_INTERPRET=1 (conftest.py sets it)",
@@ -89,11 +90,6 @@ def run(model, ids, attention_mask, train: bool):
     out = model(ids, attention_mask=attention_mask, labels=ids)
     out.loss.backward()
     return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def assert_near(actual, expected, rel, name=""):
-    err = (actual.double() - expected.double()).abs().max().item()
-    assert err <= rel * expected.abs().max().item(), f"{name}: max error {err:.3g}"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
