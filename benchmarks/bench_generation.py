@@ -65,6 +65,7 @@ from transformers import CompileConfig  # noqa: E402
 from common import (  # noqa: E402
     FULL_SHAPE,
     QUICK_SHAPE,
+    add_kernel_argument,
     build_backbone,
     build_fiber,
     environment,
@@ -153,7 +154,7 @@ def rates(times: dict, model: str, n: int) -> dict:
 # ----------------------------------------------------------------------------------------------------------------------
 def bench_rank(rank: int, backbone, shape: dict, args) -> dict:
     n = args.new_tokens
-    fiber = build_fiber(shape, rank, backbone)  # geometry awake, checked against the backbone
+    fiber = build_fiber(shape, rank, backbone, args.kernel)  # geometry awake, checked against the backbone
     models = {"backbone": backbone, "fiber": fiber}
     input_ids = prompt(shape, args.prompt_length)
     row = {"r": rank, "awake_max_logit_difference": logit_difference(fiber, backbone, shape), "eager": {},
@@ -316,6 +317,7 @@ def parse_args(argv=None):
                         help="tiny 2-layer shape, short prompt, r = 0 and 2: a smoke run of 1-2 min, mostly four cold "
                              "compiles (numbers not meaningful)")
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH")
+    add_kernel_argument(parser)
     args = parser.parse_args(argv)
     for key, value in (QUICK_DEFAULTS if args.quick else FULL_DEFAULTS).items():
         if getattr(args, key) is None:
@@ -330,7 +332,7 @@ def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     env = {**environment(args.quick), "prompt_length": args.prompt_length, "new_tokens": args.new_tokens,
-           "repeats": args.repeats,
+           "repeats": args.repeats, "fiber_attention_kernel": args.kernel,
            "compile": (f"generate's compile_config: CompileConfig(fullgraph=True, mode={args.compile_mode!r}), "
                        "backend inductor, static cache, cold (TORCHINDUCTOR_FORCE_DISABLE_CACHES="
                        f"{os.environ.get('TORCHINDUCTOR_FORCE_DISABLE_CACHES')})") if args.compile else "skipped"}

@@ -51,9 +51,10 @@ if SMOKE:  # Triton reads this when the kernels are defined, i.e. when the model
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
+from common import attention_flops  # noqa: E402
 
 from modeling_fiber_bundle.fiber_attention import bounded_factors  # noqa: E402
-from modeling_fiber_bundle.triton_attention import (  # noqa: E402
+from modeling_fiber_bundle.fused_attention import (  # noqa: E402
     KernelSignature,
     check_kernel,
     kernel_tolerances,
@@ -62,15 +63,6 @@ from modeling_fiber_bundle.triton_attention import (  # noqa: E402
 )
 
 TARGET = 0.60
-
-
-def flops(kind: str, mode: str, b: int, h: int, n: int, d: int, r: int, causal: bool = True) -> float:
-    """The flop count stated in the module docstring."""
-    if kind == "flash":
-        products = 2 if mode == "forward" else 7
-    else:
-        products = r + 2 if mode == "forward" else 4 * r + 7
-    return products * 2.0 * b * h * n * n * d * (0.5 if causal else 1.0)
 
 
 def make_inputs(b, h, hk, n, d, r, dtype, device, seed=0):
@@ -147,7 +139,7 @@ def calls(kind, mode, inputs, scale, grad_out):
 
 
 def check(device, ranks, dtypes, n, d, group):
-    """The self-check of fiber_attention_kernel="auto" (``triton_attention.check_kernel``: forward and every gradient
+    """The self-check of fiber_attention_kernel="auto" (``fused_attention.check_kernel``: forward and every gradient
     against the blocked path in float64, a padded causal boolean mask) on n tokens at the grid's head_dim and GQA group,
     for each rank and dtype. Raises if an error is above its tolerance (``KERNEL_TOLERANCE``)."""
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
@@ -186,7 +178,7 @@ def run_grid(args, device):
                 fn = calls(kind, mode, cut, scale, grad_out)
                 seconds = timer(fn, args.warmup, args.iters)
                 peak = timer.peak(fn)
-                rate = flops(kind, mode, args.batch, args.heads, n, args.head_dim, r) / seconds / 1e12
+                rate = attention_flops(kind, mode, args.batch, args.heads, n, args.head_dim, r) / seconds / 1e12
                 row = {"n": n, "mode": mode, "kind": kind, "r": r if kind == "geodesic" else None,
                        "ms": seconds * 1e3, "tflops": rate, "peak_gib": None if peak is None else peak / 2**30}
                 if kind == "flash":

@@ -48,6 +48,7 @@ from common import (
     FULL_SHAPE,
     QUICK_SHAPE,
     build_backbone,
+    add_kernel_argument,
     build_fiber,
     environment as common_environment,
     finish,
@@ -165,7 +166,8 @@ def memory_worker(spec: dict) -> dict:
     _return_freed_memory_to_os()
     torch.set_num_threads(spec["threads"])
     shape = QUICK_SHAPE if spec["quick"] else FULL_SHAPE
-    model = build_backbone(shape) if spec["model"] == "backbone" else build_fiber(shape, spec["rank"])
+    model = (build_backbone(shape) if spec["model"] == "backbone" else
+             build_fiber(shape, spec["rank"], kernel=spec["kernel"]))
     input_ids = prompt(shape, spec["n"])
     fn = run_forward if spec["mode"] == "fwd" else run_forward_backward
     gc.collect()
@@ -184,7 +186,7 @@ def memory_worker(spec: dict) -> dict:
 _FORKSERVER = None
 
 
-def measure_memory(model: str, rank: int, n: int, mode: str, quick: bool, threads: int) -> dict:
+def measure_memory(model: str, rank: int, n: int, mode: str, quick: bool, threads: int, kernel: str = "auto") -> dict:
     """Run ``memory_worker`` in a new process: forked from a forkserver that has only imported torch, transformers and
     this package (no tensors, no threads), which saves the ~4 s of imports per measurement that a plain subprocess
     costs. ``max_tasks_per_child=1``: one process per measurement. A worker's exception is re-raised here."""
@@ -192,7 +194,7 @@ def measure_memory(model: str, rank: int, n: int, mode: str, quick: bool, thread
     if _FORKSERVER is None:
         _FORKSERVER = multiprocessing.get_context("forkserver")
         _FORKSERVER.set_forkserver_preload(["__main__", "torch", "transformers", "modeling_fiber_bundle"])
-    spec = dict(model=model, rank=rank, n=n, mode=mode, quick=quick, threads=threads)
+    spec = dict(model=model, rank=rank, n=n, mode=mode, quick=quick, threads=threads, kernel=kernel)
     with ProcessPoolExecutor(max_workers=1, mp_context=_FORKSERVER, max_tasks_per_child=1) as pool:
         return pool.submit(memory_worker, spec).result()
 
@@ -207,7 +209,7 @@ def bench(args) -> dict:
     backbone_memory = {}  # (n, mode) -> dict: the backbone does not depend on r, measure its peaks once per length
     rows = []
     for rank in args.ranks:
-        fiber = build_fiber(shape, rank, backbone)  # geometry awake, checked
+        fiber = build_fiber(shape, rank, backbone, args.kernel)  # geometry awake, checked
         for n in args.lengths:
             label = f"r={rank} n={n}"
             input_ids = prompt(shape, n)
@@ -239,7 +241,7 @@ def bench(args) -> dict:
             for mode in ("fwd", "fwd_bwd"):
                 if (n, mode) not in backbone_memory:
                     backbone_memory[n, mode] = measure_memory("backbone", 0, n, mode, args.quick, threads)
-                fiber_mem = measure_memory("fiber", rank, n, mode, args.quick, threads)
+                fiber_mem = measure_memory("fiber", rank, n, mode, args.quick, threads, args.kernel)
                 row["fiber"][f"mem_{mode}_mib"] = fiber_mem["peak_mib"]
                 row["backbone"][f"mem_{mode}_mib"] = backbone_memory[n, mode]["peak_mib"]
                 row["memory_method"] = fiber_mem["method"]
@@ -276,7 +278,8 @@ def check_targets(rows: list[dict]) -> list[dict]:
 # Report
 # ----------------------------------------------------------------------------------------------------------------------
 def environment(args) -> dict:
-    return {**common_environment(args.quick), "repeats": args.repeats, "gen_tokens": args.gen_tokens}
+    return {**common_environment(args.quick), "repeats": args.repeats, "gen_tokens": args.gen_tokens,
+            "fiber_attention_kernel": args.kernel}
 
 
 def greedy_check(row: dict) -> str:
@@ -331,6 +334,7 @@ def parse_args(argv=None):
     parser.add_argument("--quick", action="store_true",
                         help="tiny 2-layer shape and short lengths: a smoke run in seconds (numbers are not meaningful)")
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH")
+    add_kernel_argument(parser)
     args = parser.parse_args(argv)
     for key, value in (QUICK_DEFAULTS if args.quick else FULL_DEFAULTS).items():
         if getattr(args, key) is None:

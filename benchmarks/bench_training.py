@@ -40,6 +40,7 @@ from accelerate.utils import compile_regions
 from common import (
     FULL_SHAPE,
     QUICK_SHAPE,
+    add_kernel_argument,
     build_backbone,
     build_fiber,
     cpu_model,
@@ -65,12 +66,12 @@ TARGETS = {  # (case, model, mode) -> largest ratio asked for by issue 24 (repor
 # ----------------------------------------------------------------------------------------------------------------------
 # Cases: name -> (models {label: model}, the reference label, a batch, what trains in each model)
 # ----------------------------------------------------------------------------------------------------------------------
-def scratch_pair(preset: dict, quick: bool):
+def scratch_pair(preset: dict, quick: bool, kernel: str):
     from fiber_bundle.analysis.scratch import equal_parameter_twin
     from modeling_fiber_bundle import FiberBundleConfig, FiberBundleForCausalLM
 
     fields = dict(preset, **SCRATCH_VOCAB, max_position_embeddings=2048, tie_word_embeddings=True, use_cache=False,
-                  metric_gate_init=1.0, flatness_gate_init=1.0)  # the strong-1 start
+                  metric_gate_init=1.0, flatness_gate_init=1.0, fiber_attention_kernel=kernel)  # the strong-1 start
     if quick:
         fields.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, metric_hidden=16)
     config = FiberBundleConfig(**fields)
@@ -82,7 +83,7 @@ def scratch_pair(preset: dict, quick: bool):
     return {"backbone": twin, "fibre": fibre}
 
 
-def build_case(name: str, quick: bool):
+def build_case(name: str, quick: bool, kernel: str = "auto"):
     """(models, batch (ids), {label: "full" | "metric-only"}) of a case."""
     from fiber_bundle.training.scratch import PRESETS
 
@@ -90,14 +91,14 @@ def build_case(name: str, quick: bool):
     if name in ("small", "medium", "base-512"):
         preset = {"small": PRESETS["small"], "medium": {**PRESETS["small"], **MEDIUM}, "base-512": PRESETS["base"]}[name]
         batch, length = ((2, 512) if name == "base-512" else (16, 128)) if not quick else (2, 32)
-        models = scratch_pair(preset, quick)
+        models = scratch_pair(preset, quick, kernel)
         ids = torch.randint(0, 256, (batch, length), generator=gen)
         return models, ids, {"backbone": "full", "fibre": "full"}
     if name.startswith("smollm2-"):
         shape = QUICK_SHAPE if quick else FULL_SHAPE
         length = int(name.split("-")[1]) if not quick else 64
         backbone = build_backbone(shape)
-        fibre = build_fiber(shape, 2, backbone)
+        fibre = build_fiber(shape, 2, backbone, kernel)
         models = {"backbone": backbone, "fibre": fibre, "fibre metric-only": copy.deepcopy(fibre)}
         ids = torch.randint(3, shape["vocab_size"], (1, length), generator=gen)
         return models, ids, {"backbone": "full", "fibre": "full", "fibre metric-only": "metric-only"}
@@ -127,8 +128,9 @@ def stepper(model, ids, mode: str):
 # ----------------------------------------------------------------------------------------------------------------------
 # Measuring
 # ----------------------------------------------------------------------------------------------------------------------
-def run_case(name: str, quick: bool, repeats: int, compile_models: bool, whole: bool = False) -> dict:
-    models, ids, modes = build_case(name, quick)
+def run_case(name: str, quick: bool, repeats: int, compile_models: bool, whole: bool = False,
+             kernel: str = "auto") -> dict:
+    models, ids, modes = build_case(name, quick, kernel)
     labels = list(models)
     # a copy of each model before any step, for the compiled run (same weights, fresh optimiser)
     fresh = {label: copy.deepcopy(model) for label, model in models.items()}
@@ -216,6 +218,7 @@ def main(argv=None):
                              "--torch-compile trains since issue 44)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run of every path in seconds")
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH")
+    add_kernel_argument(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     # a fresh inductor cache: the first compiled step then measures the compilation, not a cache hit
@@ -224,11 +227,12 @@ def main(argv=None):
     env = common_environment(args.quick)
     env.update(shape="per case (see cases)", batch="per case", cpu=cpu_model(),
                step="forward with labels, backward, AdamW step, float32",
-               compiled="whole model" if args.whole else "each decoder layer alone (accelerate's compile_regions)")
+               compiled="whole model" if args.whole else "each decoder layer alone (accelerate's compile_regions)",
+               fiber_attention_kernel=args.kernel)
     cases = []
     for name in args.cases:
         print(f"case {name} ...", flush=True)
-        cases.append(run_case(name, args.quick, repeats, args.compile, args.whole))
+        cases.append(run_case(name, args.quick, repeats, args.compile, args.whole, args.kernel))
     finish(env, {"cases": cases}, print_report, args.json)
 
 

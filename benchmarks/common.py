@@ -88,13 +88,26 @@ def wake_geometry(model: FiberBundleForCausalLM, seed: int) -> FiberBundleForCau
     return model
 
 
-def build_fiber(shape: dict, rank: int, backbone: LlamaForCausalLM | None = None) -> FiberBundleForCausalLM:
-    """A ``FiberBundleForCausalLM`` of ``shape`` with ``metric_rank = ffn_metric_rank = rank``, its geometry awake
-    (``wake_geometry``). With ``backbone`` it carries the backbone's weights (the two models share parameter names;
+KERNELS = ("auto", "pytorch", "cpp")
+
+
+def add_kernel_argument(parser) -> None:
+    """--kernel: the fibre model's ``fiber_attention_kernel``; "pytorch" times the blocked path that every CPU run took
+    before the fused C++ operator, so one host measures before and after."""
+    parser.add_argument("--kernel", choices=KERNELS, default="auto",
+                        help="the fibre model's config.fiber_attention_kernel: auto (default: the fused C++ operator "
+                             "on the CPU where it builds), pytorch (the blocked PyTorch path) or cpp")
+
+
+def build_fiber(shape: dict, rank: int, backbone: LlamaForCausalLM | None = None,
+                kernel: str = "auto") -> FiberBundleForCausalLM:
+    """A ``FiberBundleForCausalLM`` of ``shape`` with ``metric_rank = ffn_metric_rank = rank`` and
+    ``fiber_attention_kernel = kernel``, its geometry awake (``wake_geometry``). With ``backbone`` it carries the backbone's weights (the two models share parameter names;
     only the ``.fiber.`` parameters are its own) and, for rank > 0, is checked to compute a different function
     (``check_awake``); rank 0 is the backbone's own model and is checked to compute the same logits."""
     torch.manual_seed(SEED + 1 + rank)
-    config = FiberBundleConfig(**shape, metric_rank=rank, ffn_metric_rank=rank, attn_implementation="sdpa")
+    config = FiberBundleConfig(**shape, metric_rank=rank, ffn_metric_rank=rank, attn_implementation="sdpa",
+                               fiber_attention_kernel=kernel)
     model = FiberBundleForCausalLM(config).float().eval()
     if backbone is not None:
         result = model.load_state_dict(backbone.state_dict(), strict=False)
@@ -165,6 +178,22 @@ def interleaved(fiber_fn, backbone_fn, repeats: int) -> tuple[float, float]:
     """Median seconds of each callable, run alternately F B B F F B ... after one untimed warm-up each."""
     fiber_times, backbone_times = interleaved_runs([fiber_fn, backbone_fn], repeats)
     return statistics.median(fiber_times), statistics.median(backbone_times)
+
+
+def attention_flops(kind: str, mode: str, b: int, h: int, n: int, d: int, r: int, factor_heads: int | None = None,
+                    causal: bool = True) -> float:
+    """The flops one attention call needs (a multiply-add counts 2; one "product" is an n x n x d matmul per head, halved
+    under causal): SDPA ("flash", "sdpa") 2 products forward, 7 with the backward (recomputed scores, dV, dP, dQ, dK);
+    the geodesic attention ("geodesic") h + r * factor_heads query-key products (the stacked pseudo-queries [G_i q_i,
+    u_i1 .. u_ir], the factor rows shared by a KV group when factor_heads = KV heads; default per head) and h value
+    products forward, and with the backward 3 (h + r factor_heads) + 2 h more (the recomputed score products, dV, dP,
+    and for each score product its two gradients). The work the function needs, not what a kernel executes."""
+    hf = h if factor_heads is None else factor_heads
+    if kind in ("flash", "sdpa"):
+        products = (2 if mode == "forward" else 7) * h
+    else:
+        products = 2 * h + r * hf if mode == "forward" else 7 * h + 4 * r * hf
+    return products * 2.0 * b * n * n * d * (0.5 if causal else 1.0)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ The parts, each in a process of its own with its own time limit (a hang or crash
   kernel-tests   tests/test_triton_attention.py and tests/test_kernel_guard.py, natively: the compiled Triton kernels on
                  CUDA tensors against the blocked PyTorch path (forward and every gradient, masks, GQA, ranks, dtypes),
                  the custom operators and a compiled step, the self-check's tests;
-  guard          the self-check of fiber_attention_kernel="auto" (``triton_attention.check_kernel``, training:
+  guard          the self-check of fiber_attention_kernel="auto" (``fused_attention.check_kernel``, training:
                  forward and backward) on every kernel dtype at r in {1, 2, 4} and head_dim in {64, 128} (GQA group 3,
                  factors shared, a padded boolean mask), and on every mask kind at one of them: the largest error over
                  its tolerance, and what one check costs, the first time (Triton compiles the kernels) and again;
@@ -102,16 +102,16 @@ def part_kernel_tests(result: Path) -> dict:
 def part_guard(result: Path) -> dict:
     import torch
 
-    from modeling_fiber_bundle import triton_attention
-    from modeling_fiber_bundle.triton_attention import KERNEL_DTYPES, KernelSignature, check_kernel, kernel_tolerances
+    from modeling_fiber_bundle import fused_attention
+    from modeling_fiber_bundle.fused_attention import KERNEL_DTYPES, KernelSignature, check_kernel, kernel_tolerances
 
     dev = device()
     capability = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
-    ranks, head_dims, tokens = (GUARD_RANKS, GUARD_HEAD_DIMS, triton_attention.SELF_CHECK_TOKENS)
+    ranks, head_dims, tokens = (GUARD_RANKS, GUARD_HEAD_DIMS, fused_attention.SELF_CHECK_TOKENS)
     if SMOKE:
         ranks, head_dims, tokens = [1, 2], [16], 40
     cases = [(dtype, r, d, "boolean") for dtype in KERNEL_DTYPES for r in ranks for d in head_dims]
-    cases += [(torch.bfloat16, 2, head_dims[-1], mask) for mask in triton_attention.MASK_KINDS if mask != "boolean"]
+    cases += [(torch.bfloat16, 2, head_dims[-1], mask) for mask in fused_attention.MASK_KINDS if mask != "boolean"]
     rows = []
     for dtype, r, d, mask in cases:
         signature = KernelSignature(dev.type, capability, dtype, r, d, 3, True, mask, True)
@@ -179,12 +179,12 @@ def part_compiled_step(result: Path) -> dict:
     import torch
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    from modeling_fiber_bundle import triton_attention
+    from modeling_fiber_bundle import fused_attention
 
     dev = device()
     dtype = torch.float32 if SMOKE else torch.bfloat16
     if SMOKE:  # the interpreter stands in for the GPU: "auto" may pick the kernel on CPU tensors
-        triton_attention.auto_device = lambda query: True
+        fused_attention.auto_device = lambda query: True
     model, shape = step_model(dev, dtype)
     batch, tokens = (2, 32) if SMOKE else (STEP_BATCH, STEP_TOKENS)
     ids = torch.randint(3, shape["vocab_size"], (batch, tokens), generator=torch.Generator().manual_seed(0)).to(dev)
@@ -214,8 +214,8 @@ def part_compiled_step(result: Path) -> dict:
     steady = [step(compiled) for _ in range(3)]
     loss_eager = eager["auto"][0][0]
     relative = abs(first_loss - loss_eager) / abs(loss_eager)
-    chosen = {str(s.training): v for s, v in triton_attention._verdicts.items()}
-    kernel_used = any(triton_attention._verdicts.values())
+    chosen = {str(s.training): v for s, v in fused_attention._verdicts.items()}
+    kernel_used = any(fused_attention._verdicts.values())
     ms = {k: statistics.median(t for _, t in v) * 1e3 for k, v in eager.items()}
     ms["compiled"] = statistics.median(t for _, t in steady) * 1e3
     ok = counter.frame_count == 1 and relative <= (1e-2 if dtype == torch.bfloat16 else 1e-5) and kernel_used

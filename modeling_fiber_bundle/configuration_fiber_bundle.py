@@ -9,7 +9,7 @@ import math
 
 from transformers import PreTrainedConfig
 
-ATTENTION_KERNELS = ("auto", "triton", "pytorch")
+ATTENTION_KERNELS = ("auto", "triton", "cpp", "pytorch")
 ATTENTION_PATHS = ("blocked", "reference")
 FACTOR_SHARING = ("head", "kv_group")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -61,10 +61,12 @@ class FiberBundleConfig(PreTrainedConfig):
             "blocked" (default, memory-bounded, custom backward) or "reference" (short and obviously correct,
             materialises the n x n x r score terms; for tests and debugging).
         fiber_attention_kernel (`str`, defaults to "auto"):
-            What runs the blocked path: "triton" (the fused Triton kernel of `triton_attention.py`, forward and
-            backward; needs `pip install triton`, CUDA tensors and no attention dropout), "pytorch" (the blocked
-            PyTorch loop), or "auto" (Triton for CUDA tensors when it imports and no attention dropout applies, the
-            PyTorch loop everywhere else).
+            What runs the blocked path: "triton" (the fused Triton kernel of `fused_attention.py`, forward and
+            backward; needs `pip install triton`, CUDA tensors and no attention dropout), "cpp" (the fused C++
+            operator of `fused_attention.py`, built on first use by the machine's C++ compiler; CPU tensors, no
+            attention dropout), "pytorch" (the blocked PyTorch loop), or "auto" (Triton for CUDA tensors, the C++
+            operator for CPU tensors, each where it runs and has passed its self-check and no attention dropout
+            applies; the PyTorch loop everywhere else).
         geometry_recompute (`bool`, defaults to True):
             In training, keep only the inputs of the O(n d r) metric computations (the attention factors' generation;
             the Woodbury step where it builds its factors; the blocked kernel rebuilds G_i q_i itself) and recompute

@@ -62,7 +62,7 @@ from .fiber_attention import (
     woodbury_precondition,
     zero_empty_rows,
 )
-from .triton_attention import triton_geodesic_attention, use_triton_kernel
+from .fused_attention import cpp_geodesic_attention, triton_geodesic_attention, use_cpp_kernel, use_triton_kernel
 
 GEOMETRY_KEYS = ("curvature", "torsion", "anisotropy")
 
@@ -331,10 +331,13 @@ def geodesic_attention_forward(
         # the default: extra memory O(q x block), shared KV-group factors unexpanded (U_i^T k_j once per group)
         attn_weights = None
         attention = blocked_geodesic_attention
-        # the fused kernel (triton_attention.py) where the config asks for it and, under "auto", its self-check passed
-        if use_triton_kernel(config.fiber_attention_kernel, query, dropout, factors, key, attention_mask,
-                             (value, alpha, gamma)):
+        # a fused operator (fused_attention.py: Triton on a GPU, C++ on the CPU) where the config asks for it and,
+        # under "auto", it has passed its self-check on this call's signature
+        args = (config.fiber_attention_kernel, query, dropout, factors, key, attention_mask, (value, alpha, gamma))
+        if use_triton_kernel(*args):
             attention = triton_geodesic_attention
+        elif use_cpp_kernel(*args):
+            attention = cpp_geodesic_attention
         attn_output = attention(
             query, factors, key, value, alpha, gamma, scaling, attention_mask, config.attention_block_size,
             draw_dropout(dropout),

@@ -124,6 +124,23 @@ def test_model_benchmark_quick_run(tmp_path):
     assert result["rows"][0]["generate_matches_backbone"]
 
 
+def test_cpu_attention_benchmark_quick_run(tmp_path):
+    """bench_cpu_attention.py --quick: the blocked path, the fused operator and SDPA timed in both modes, the fused
+    output and gradients equal to the blocked path's, and the flop counts reported."""
+    out = tmp_path / "cpu_attention.json"
+    proc = run_script("bench_cpu_attention.py", "--quick", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["mode"] for row in rows] == ["forward", "forward+backward"]
+    for row in rows:
+        assert row["fused_vs_blocked_max_relative_difference"] < 1e-5
+        assert all(row[f"{path}_ms"] > 0 and row[f"{path}_gflops"] > 0 for path in ("blocked", "fused", "sdpa"))
+    # same shape, more work per pair for the geodesic score, and more again with the backward
+    assert rows[0]["fused_gflops"] * rows[0]["fused_ms"] > rows[0]["sdpa_gflops"] * rows[0]["sdpa_ms"]
+    assert rows[1]["fused_gflops"] * rows[1]["fused_ms"] > rows[0]["fused_gflops"] * rows[0]["fused_ms"]
+    assert "| tiny | forward |" in proc.stdout
+
+
 def test_profile_benchmark_quick_run(tmp_path):
     """bench_profile.py --quick: both models' decode step split into its parts, and one layer's attention against SDPA."""
     out = tmp_path / "profile.json"

@@ -158,8 +158,10 @@ def test_train_command_with_torch_compile_compiles_without_a_graph_break(tmp_pat
     torch.compiler.reset()
 
 
-def test_design_properties_hold_on_the_compiled_path():
-    """docs/design.md's bold properties that compilation could break, through one compiled training graph (compiled
+@pytest.mark.parametrize("kernel", ["cpp", pytest.param("pytorch", marks=pytest.mark.heavy)])
+def test_design_properties_hold_on_the_compiled_path(kernel):
+    """docs/design.md's bold properties that compilation could break, on the fused C++ operator (what "auto" runs on a
+    CPU) and on the blocked path, through one compiled training graph (compiled
     once: inductor takes parameters as inputs, so changing their values reuses it): **the converted model's logits equal
     the source model's**; a left-padded row equals the same tokens unpadded, and a query with no allowed key gives no
     NaN; the linear gates carry gradient at the graft and **one optimiser step on a converted model must change its
@@ -173,7 +175,7 @@ def test_design_properties_hold_on_the_compiled_path():
     torch.compiler.reset()
     torch.manual_seed(0)
     source = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in TINY.items() if k != "pad_token_id"})).float().eval()
-    model = tiny_model(seed=1, dtype=torch.float32, metric_hidden=16).train()
+    model = tiny_model(seed=1, dtype=torch.float32, metric_hidden=16, fiber_attention_kernel=kernel).train()
     missing, unexpected = model.load_state_dict(source.state_dict(), strict=False)
     assert not unexpected and missing and all(".fiber." in k for k in missing)
     counter = CompileCounterWithBackend("inductor")

@@ -338,7 +338,7 @@ def test_convert_and_save_pretrained_write_the_same_code_and_auto_map(tmp_path):
         assert json.loads((folder / "config.json").read_text())["auto_map"] == AUTO_MAP, name
     assert code["converted"] == code["saved"]
     assert sorted(code["converted"]) == list(modeling_files()) == [
-        "configuration_fiber_bundle.py", "fiber_attention.py", "modeling_fiber_bundle.py", "triton_attention.py"]
+        "configuration_fiber_bundle.py", "fiber_attention.py", "fused_attention.py", "modeling_fiber_bundle.py"]
 
 
 def test_card_names_the_transformers_range_of_pyproject(tmp_path):

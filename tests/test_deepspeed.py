@@ -105,8 +105,12 @@ def test_fiber_bundle_train_takes_a_deepspeed_config(tmp_path):
         assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(f".{name}")) == []  # no staging left
     ddp, zero3 = (load_file(tmp_path / name / "model.safetensors") for name in ("ddp", "zero3"))
     assert ddp.keys() == zero3.keys()
+    # atol: AdamW divides each gradient element by its own running scale, so an element whose gradient is near 0 moves
+    # by up to ~lr a step on float32 rounding alone (DDP's all-reduce and ZeRO-3's reduce-scatter sum in different
+    # orders): seen up to 4e-6 (blocked path) and 1.4e-5 (fused C++ operator) on one weight of 2048 here; a slice
+    # gathered wrong would differ by the weights' own scale (~2e-2)
     for name in ddp:
-        torch.testing.assert_close(zero3[name], ddp[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(zero3[name], ddp[name], rtol=1e-4, atol=1e-4, msg=lambda m: f"{name}: {m}")
     initial = dict(start.named_parameters())
     moved = [name for name in zero3 if ".fiber." in name and not name.endswith("bias")
              and (zero3[name] - initial[name].detach()).abs().max() > 0]

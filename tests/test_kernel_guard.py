@@ -5,7 +5,7 @@ the blocked path runs instead; "triton" skips the check, "pytorch" never runs th
 one graph.
 
 Without a GPU, Triton's interpreter stands in for the device: the ``auto_here`` fixture lets "auto" pick the kernel
-for CPU tensors (``triton_attention.auto_device``) and gives each test a fresh verdict cache. On a GPU
+for CPU tensors (``fused_attention.auto_device``) and gives each test a fresh verdict cache. On a GPU
 (benchmarks/gpu_check.py) the same tests run the compiled kernels on CUDA tensors. The faults are made by
 replacing one of the kernel's own functions for the duration of a test."""
 
@@ -18,11 +18,11 @@ pytest.importorskip("triton")
 
 from helpers import random_ids, set_gates, tiny_model  # noqa: E402
 from modeling_fiber_bundle import modeling_fiber_bundle as modeling  # noqa: E402
-from modeling_fiber_bundle import triton_attention  # noqa: E402
-from modeling_fiber_bundle.triton_attention import KernelSignature, check_kernel, kernel_tolerances  # noqa: E402
+from modeling_fiber_bundle import fused_attention  # noqa: E402
+from modeling_fiber_bundle.fused_attention import KernelSignature, check_kernel, kernel_tolerances  # noqa: E402
 from test_triton_attention import assert_near  # noqa: E402
 
-if not torch.cuda.is_available() and not triton_attention.INTERPRETED:
+if not torch.cuda.is_available() and not fused_attention.INTERPRETED:
     pytest.skip("no GPU, and the kernels were defined without TRITON_INTERPRET=1 (conftest.py sets it)",
                 allow_module_level=True)
 
@@ -37,17 +37,17 @@ TOKENS = 40  # the self-check's problem in these tests (SELF_CHECK_TOKENS, 256, 
 def auto_here(monkeypatch):
     """"auto" runs the kernel on this device (on a CPU the interpreter stands in for a GPU), a fresh verdict cache, a
     smaller self-check problem, and a record of every self-check run (``checks``: the signatures, in order)."""
-    monkeypatch.setattr(triton_attention, "auto_device", lambda query: True)
-    monkeypatch.setattr(triton_attention, "_verdicts", {})
-    monkeypatch.setattr(triton_attention, "SELF_CHECK_TOKENS", TOKENS)
+    monkeypatch.setattr(fused_attention, "auto_device", lambda query: True)
+    monkeypatch.setattr(fused_attention, "_verdicts", {})
+    monkeypatch.setattr(fused_attention, "SELF_CHECK_TOKENS", TOKENS)
     checks = []
-    real_check = triton_attention.check_kernel
+    real_check = fused_attention.check_kernel
 
     def recording_check(signature, device, tokens=TOKENS, seed=0):
         checks.append(signature)
         return real_check(signature, device, tokens, seed)
 
-    monkeypatch.setattr(triton_attention, "check_kernel", recording_check)
+    monkeypatch.setattr(fused_attention, "check_kernel", recording_check)
     return checks
 
 
@@ -96,7 +96,7 @@ def run(model, ids, attention_mask, train: bool):
 # the check itself
 # ---------------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("mask", triton_attention.MASK_KINDS)
+@pytest.mark.parametrize("mask", fused_attention.MASK_KINDS)
 @pytest.mark.parametrize("training", [False, True])
 def test_the_correct_kernel_passes_its_check_on_every_kind_of_signature(dtype, mask, training):
     """check_kernel on every mask kind and dtype (float16 included, which no other test runs), forward and backward,
@@ -104,7 +104,7 @@ def test_the_correct_kernel_passes_its_check_on_every_kind_of_signature(dtype, m
     signature = KernelSignature(DEVICE, None, dtype, 3, 16, 2, True, mask, training)
     errors = check_kernel(signature, torch.device(DEVICE), tokens=TOKENS)
     tolerances = kernel_tolerances(dtype, 16)
-    assert set(errors) == ({"output", *triton_attention.GRADIENT_NAMES} if training else {"output"})
+    assert set(errors) == ({"output", *fused_attention.GRADIENT_NAMES} if training else {"output"})
     assert all(0 < errors[name] <= tolerances[name] for name in errors), errors
 
 
@@ -119,27 +119,27 @@ def test_the_check_leaves_the_callers_random_state_alone():
 def test_signatures_are_read_off_the_call():
     query, key = torch.zeros(2, 8, 5, 16), torch.zeros(2, 2, 5, 16)
     shared, per_head = torch.zeros(2, 2, 5, 3, 16), torch.zeros(2, 8, 5, 3, 16)
-    assert triton_attention.kernel_signature(query, shared, key, None, True) == (
-        "cpu", None, torch.float32, 3, 16, 4, True, "causal", True)
-    assert triton_attention.kernel_signature(query[:, :, :1], per_head[:, :, :1], key, None, False)[6:] == (
-        False, "none", False)
-    assert triton_attention.mask_kind(torch.ones(2, 1, 5, 5, dtype=torch.bool), 5) == "boolean"
-    assert triton_attention.mask_kind(torch.zeros(2, 1, 5, 5), 5) == "float"
+    assert fused_attention.kernel_signature(query, shared, key, None, True) == (
+        "cpu", None, torch.float32, 3, 16, 4, True, "causal", True, "triton")
+    assert fused_attention.kernel_signature(query[:, :, :1], per_head[:, :, :1], key, None, False, "cpp")[6:] == (
+        False, "none", False, "cpp")
+    assert fused_attention.mask_kind(torch.ones(2, 1, 5, 5, dtype=torch.bool), 5) == "boolean"
+    assert fused_attention.mask_kind(torch.zeros(2, 1, 5, 5), 5) == "float"
 
 
 def test_a_cuda_signature_is_keyed_and_named_by_its_compute_capability(auto_here, monkeypatch):
     """On CUDA the verdict is keyed by the device's compute capability (two cards of one capability share it) and the
     warning names it; shown here with the capability read and the check replaced (no GPU needed)."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(triton_attention, "check_kernel", lambda signature, device, tokens, seed=0: {"output": 1.0})
+    monkeypatch.setattr(fused_attention, "check_kernel", lambda signature, device, tokens, seed=0: {"output": 1.0})
     with pytest.warns(RuntimeWarning, match=r"self-check on CUDA capability 9\.0, bfloat16, r=4, head_dim=128"):
-        assert not triton_attention.kernel_passes_self_check("cuda", 1, torch.bfloat16, 4, 128, 1, False, "causal",
+        assert not fused_attention.kernel_passes_self_check("cuda", 1, torch.bfloat16, 4, 128, 1, False, "causal",
                                                              False)
-    assert list(triton_attention._verdicts) == [KernelSignature("cuda", (9, 0), torch.bfloat16, 4, 128, 1, False,
+    assert list(fused_attention._verdicts) == [KernelSignature("cuda", (9, 0), torch.bfloat16, 4, 128, 1, False,
                                                                 "causal", False)]
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
-        assert not triton_attention.kernel_passes_self_check("cuda", 0, torch.bfloat16, 4, 128, 1, False, "causal",
+        assert not fused_attention.kernel_passes_self_check("cuda", 0, torch.bfloat16, 4, 128, 1, False, "causal",
                                                              False)  # another card of the same capability
 
 
@@ -161,7 +161,7 @@ def test_a_passing_kernel_is_checked_once_per_signature_and_then_used(auto_here,
         run(model, ids, attention_mask, train=True)
     assert [s.training for s in auto_here] == [False, True]
     assert len(kernel_calls) == 4 * layers
-    assert triton_attention._verdicts == {s: True for s in auto_here}
+    assert fused_attention._verdicts == {s: True for s in auto_here}
     model.config.fiber_attention_kernel = "pytorch"
     ref_logits, _ = run(model, ids, attention_mask, train=False)
     ref_train_logits, ref_grads = run(model, ids, attention_mask, train=True)
@@ -174,13 +174,13 @@ def test_a_passing_kernel_is_checked_once_per_signature_and_then_used(auto_here,
 
 def test_the_default_problem_size_checks_in_one_call(auto_here, monkeypatch):
     """At the size used in practice (SELF_CHECK_TOKENS = 256 tokens), through kernel_passes_self_check itself."""
-    monkeypatch.setattr(triton_attention, "SELF_CHECK_TOKENS", 256)
+    monkeypatch.setattr(fused_attention, "SELF_CHECK_TOKENS", 256)
     seen = []
-    real = triton_attention.check_kernel
-    monkeypatch.setattr(triton_attention, "check_kernel",
+    real = fused_attention.check_kernel
+    monkeypatch.setattr(fused_attention, "check_kernel",
                         lambda signature, device, tokens, seed=0: seen.append(tokens) or real(signature, device,
                                                                                                tokens))
-    assert triton_attention.kernel_passes_self_check(DEVICE, None, torch.bfloat16, 2, 16, 2, False, "causal", True)
+    assert fused_attention.kernel_passes_self_check(DEVICE, None, torch.bfloat16, 2, 16, 2, False, "causal", True)
     assert seen == [256]
 
 
@@ -188,42 +188,42 @@ def test_the_default_problem_size_checks_in_one_call(auto_here, monkeypatch):
 # "auto" on a kernel made wrong on purpose
 # ---------------------------------------------------------------------------------------------------------------------
 def scaled_output(monkeypatch):
-    real = triton_attention._forward
+    real = fused_attention._forward
 
     def wrong(*args):
         out, lse = real(*args)
         return out * 1.01, lse
 
-    monkeypatch.setattr(triton_attention, "_forward", wrong)
+    monkeypatch.setattr(fused_attention, "_forward", wrong)
 
 
 def dropped_term(monkeypatch):
     """The kernel loses -(alpha/2)||U_i^T k_j||^2 (its operands get alpha/2 = 0); the blocked path keeps it."""
-    real = triton_attention._kernel_operands
+    real = fused_attention._kernel_operands
 
     def wrong(query, factors, alpha, scale):
         gq, factors_s, half_alpha, lifted = real(query, factors, alpha, scale)
         return gq, factors_s, torch.zeros_like(half_alpha), lifted
 
-    monkeypatch.setattr(triton_attention, "_kernel_operands", wrong)
+    monkeypatch.setattr(fused_attention, "_kernel_operands", wrong)
 
 
 def launch_error(monkeypatch):
     def wrong(kernel, grid, *args, **meta):
         raise RuntimeError("Triton Error [CUDA]: an illegal launch (made on purpose)")
 
-    monkeypatch.setattr(triton_attention, "_run", wrong)
+    monkeypatch.setattr(fused_attention, "_run", wrong)
 
 
 def wrong_key_gradient(monkeypatch):
-    real = triton_attention._backward
+    real = fused_attention._backward
 
     def wrong(*args):
         grads = list(real(*args))
         grads[4] = grads[4] * 1.01
         return tuple(grads)
 
-    monkeypatch.setattr(triton_attention, "_backward", wrong)
+    monkeypatch.setattr(fused_attention, "_backward", wrong)
 
 
 FAULTS = {"scaled-output": (scaled_output, "largest relative difference from the blocked PyTorch path is"),
@@ -308,7 +308,7 @@ def test_a_compiled_forward_takes_the_decision_outside_the_graph(fault, auto_her
     assert counter.frame_count == 1
     assert len(auto_here) == 1 and auto_here[0].training
     assert len([w for w in caught if issubclass(w.category, RuntimeWarning)]) == (1 if fault else 0)
-    assert triton_attention._verdicts == {auto_here[0]: fault is None}
+    assert fused_attention._verdicts == {auto_here[0]: fault is None}
     model.config.fiber_attention_kernel = "pytorch"
     eager = model(ids, attention_mask=attention_mask, labels=ids).loss
     assert_near(losses[0].detach(), eager.detach(), 1e-5, "loss")

@@ -64,7 +64,7 @@ def test_folder_holds_config_auto_map_and_only_the_modeling_files(saved_folder):
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_fiber_bundle.FiberBundleForCausalLM"
     py_files = sorted(p.name for p in folder.glob("*.py"))
     assert py_files == [
-        "configuration_fiber_bundle.py", "fiber_attention.py", "modeling_fiber_bundle.py", "triton_attention.py"
+        "configuration_fiber_bundle.py", "fiber_attention.py", "fused_attention.py", "modeling_fiber_bundle.py"
     ]
     assert (folder / "model.safetensors").exists() and (folder / "generation_config.json").exists()
 
@@ -118,5 +118,5 @@ def test_resaving_a_remote_code_model_keeps_it_loadable(saved_folder, tmp_path):
     config = json.loads((resaved / "config.json").read_text())
     assert config["auto_map"] == AUTO_MAP
     assert sorted(p.name for p in Path(resaved).glob("*.py")) == [
-        "configuration_fiber_bundle.py", "fiber_attention.py", "modeling_fiber_bundle.py", "triton_attention.py"
+        "configuration_fiber_bundle.py", "fiber_attention.py", "fused_attention.py", "modeling_fiber_bundle.py"
     ]

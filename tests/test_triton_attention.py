@@ -1,4 +1,4 @@
-"""The fused Triton kernel (modeling_fiber_bundle/triton_attention.py): forward and every gradient equal the blocked
+"""The fused Triton kernel (modeling_fiber_bundle/fused_attention.py): forward and every gradient equal the blocked
 PyTorch path, masks, GQA, ranks, dtypes; the model on either kernel; the dispatch rules; the Hub-folder import check.
 
 Without a GPU the kernels run on CPU tensors under Triton's interpreter (conftest.py sets TRITON_INTERPRET=1 before
@@ -19,13 +19,13 @@ from transformers.dynamic_module_utils import check_imports, get_imports  # noqa
 from helpers import random_ids, set_gates, tiny_config, tiny_model  # noqa: E402
 from modeling_fiber_bundle import FiberBundleConfig  # noqa: E402
 from modeling_fiber_bundle import modeling_fiber_bundle as modeling  # noqa: E402
-from modeling_fiber_bundle import triton_attention  # noqa: E402
+from modeling_fiber_bundle import fused_attention  # noqa: E402
 from modeling_fiber_bundle.fiber_attention import Dropout, _key_range, blocked_geodesic_attention  # noqa: E402
-from modeling_fiber_bundle.triton_attention import triton_geodesic_attention, use_triton_kernel  # noqa: E402
+from modeling_fiber_bundle.fused_attention import triton_geodesic_attention, use_triton_kernel  # noqa: E402
 from test_fiber_attention import MASK_CASES, additive_mask, make_inputs, padding_bool_mask  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu" and not triton_attention.INTERPRETED:
+if DEVICE == "cpu" and not fused_attention.INTERPRETED:
     pytest.skip("no GPU, and the kernels were defined without TRITON_INTERPRET=1 (conftest.py sets it)",
                 allow_module_level=True)
 
@@ -54,10 +54,10 @@ def compare(b=2, h=4, hk=2, q=37, kv=37, d=16, r=2, shared=False, mask=None, til
     grads = torch.autograd.grad((out.to(F64) * weight.to(DEVICE)).sum(), inputs)
     out_ref = blocked_geodesic_attention(*exact, 0.35, mask, block_size=8)
     grads_ref = torch.autograd.grad((out_ref * weight).sum(), exact)
-    tolerances = triton_attention.kernel_tolerances(dtype, d)
+    tolerances = fused_attention.kernel_tolerances(dtype, d)
     assert out.dtype == dtype and out.shape == out_ref.shape
     assert_near(out.cpu(), out_ref, tolerances["output"], "output")
-    for name, grad, ref in zip(triton_attention.GRADIENT_NAMES, grads, grads_ref):
+    for name, grad, ref in zip(fused_attention.GRADIENT_NAMES, grads, grads_ref):
         assert grad.dtype == dtype and grad.shape == ref.shape, name
         assert_near(grad.cpu(), ref, tolerances[name], name)
     return out.cpu(), [g.cpu() for g in grads]
@@ -120,7 +120,7 @@ def test_tile_ranges_are_the_blocked_paths_key_ranges(tile, along_queries):
         allowed = mask if mask.dim() == 5 else mask[:, :, None]  # (B, Hk|1, g|1, q, kv), as the kernel reads it
         band = allowed if along_queries else allowed.transpose(-1, -2)
         n, other = band.shape[-2:]
-        ranges = triton_attention._tile_ranges(allowed, tile, along_queries).tolist()
+        ranges = fused_attention._tile_ranges(allowed, tile, along_queries).tolist()
         assert len(ranges) == -(-n // tile)
         for t, (lo, hi) in enumerate(ranges):
             i0, i1 = t * tile, min(t * tile + tile, n)
@@ -147,11 +147,11 @@ def test_a_pipeline_that_does_not_fit_falls_back_to_a_shallower_one(monkeypatch)
                     raise OutOfResources(300_000, 232_448, "shared memory")
             return launch
 
-    monkeypatch.setattr(triton_attention, "_stages_found", {})
-    triton_attention._run(Kernel(), (1,), BLOCK_M=16)
-    assert tried == list(triton_attention.STAGES)
+    monkeypatch.setattr(fused_attention, "_stages_found", {})
+    fused_attention._run(Kernel(), (1,), BLOCK_M=16)
+    assert tried == list(fused_attention.STAGES)
     tried.clear()
-    triton_attention._run(Kernel(), (1,), BLOCK_M=16)
+    fused_attention._run(Kernel(), (1,), BLOCK_M=16)
     assert tried == [1]
 
 
@@ -218,12 +218,12 @@ def test_the_model_runs_the_kernel_when_asked(monkeypatch):
 def test_auto_picks_triton_only_for_cuda_tensors_without_dropout():
     """The rule of "auto" before its self-check (tests/test_kernel_guard.py: the check itself)."""
     cuda_like = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, shape=(8, 32, 100, 64))  # the rule, without a GPU
-    assert triton_attention.kernel_applies(cuda_like, 0.0)
-    assert not triton_attention.kernel_applies(cuda_like, 0.1)  # attention dropout: the blocked path
-    assert not triton_attention.kernel_applies(SimpleNamespace(is_cuda=True, dtype=F64, shape=(1, 4, 5, 8)), 0.0)
+    assert fused_attention.kernel_applies(cuda_like, 0.0)
+    assert not fused_attention.kernel_applies(cuda_like, 0.1)  # attention dropout: the blocked path
+    assert not fused_attention.kernel_applies(SimpleNamespace(is_cuda=True, dtype=F64, shape=(1, 4, 5, 8)), 0.0)
     too_many = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, shape=(2049, 32, 100, 64))  # 65568 programs
-    assert not triton_attention.kernel_applies(too_many, 0.0)  # the launch grid's second axis: the blocked path
-    assert not triton_attention.kernel_applies(torch.zeros(1, 4, 5, 8), 0.0)
+    assert not fused_attention.kernel_applies(too_many, 0.0)  # the launch grid's second axis: the blocked path
+    assert not fused_attention.kernel_applies(torch.zeros(1, 4, 5, 8), 0.0)
     assert not use_triton_kernel("auto", torch.zeros(1, 4, 5, 8), 0.0)
     assert not use_triton_kernel("pytorch", cuda_like, 0.0)
     assert use_triton_kernel("triton", torch.zeros(1), 0.0)
@@ -233,8 +233,8 @@ def test_inputs_the_kernel_cannot_launch_are_refused_with_the_fix(monkeypatch):
     """"triton" on more (batch x heads) than CUDA's launch grid holds, or on CPU tensors without the interpreter."""
     query = torch.zeros(4097, 16, 1, 16)  # 65552 programs per tile > 65535
     with pytest.raises(ValueError, match="split the batch, or set fiber_attention_kernel='auto'"):
-        triton_attention._check_inputs(query, query[:, :4], query[:, :4])
-    monkeypatch.setattr(triton_attention, "INTERPRETED", False)
+        fused_attention._check_inputs(query, query[:, :4], query[:, :4])
+    monkeypatch.setattr(fused_attention, "INTERPRETED", False)
     query, factors, key, value, alpha, gamma = (x.float() for x in make_inputs(q=5, kv=5))
     with pytest.raises(ValueError, match="move the model to a GPU or set fiber_attention_kernel='pytorch'"):
         triton_geodesic_attention(query, factors, key, value, alpha, gamma, 0.3)
@@ -252,8 +252,8 @@ def test_triton_with_dropout_is_an_error_naming_the_fix():
 
 
 def test_triton_without_triton_installed_names_the_install(monkeypatch):
-    monkeypatch.setattr(triton_attention, "triton", None)
-    assert not triton_attention.kernel_applies(SimpleNamespace(is_cuda=True, dtype=torch.float32, shape=(1, 4)), 0.0)
+    monkeypatch.setattr(fused_attention, "triton", None)
+    assert not fused_attention.kernel_applies(SimpleNamespace(is_cuda=True, dtype=torch.float32, shape=(1, 4)), 0.0)
     with pytest.raises(ImportError, match="pip install triton"):
         use_triton_kernel("triton", torch.zeros(1), 0.0)
     query, factors, key, value, alpha, gamma = (x.float() for x in make_inputs(q=5, kv=5))
@@ -270,14 +270,14 @@ def test_float64_inputs_are_refused_with_the_fix():
 def test_config_validates_the_kernel_choice():
     assert FiberBundleConfig().fiber_attention_kernel == "auto"
     assert tiny_config(fiber_attention_kernel="triton").fiber_attention_kernel == "triton"
-    with pytest.raises(ValueError, match=r"fiber_attention_kernel must be one of \('auto', 'triton', 'pytorch'\)"):
+    with pytest.raises(ValueError, match=r"fiber_attention_kernel must be one of \('auto', 'triton', 'cpp', 'pytorch'\)"):
         tiny_config(fiber_attention_kernel="cuda")
 
 
 def test_a_hub_folder_does_not_require_triton():
     """transformers' remote-code check lists the imports outside try blocks: triton must not be among them (only
     the standard library's, torch and transformers)."""
-    path = triton_attention.__file__
+    path = fused_attention.__file__
     assert set(get_imports(path)) - set(sys.stdlib_module_names) <= {"torch", "transformers"}
     check_imports(path)
 
@@ -313,12 +313,12 @@ def test_kernel_operators_pass_torch_library_opcheck(masked):
     backward operator's own schema and fake implementation (torch.library.opcheck)."""
     mask = padding_bool_mask(1, 20, 20, pad=[3]).to(DEVICE) if masked else None
     args = op_inputs(mask=mask)
-    torch.library.opcheck(triton_attention.geodesic_forward_op, args)
-    out, lse = triton_attention.geodesic_forward_op(*args)
+    torch.library.opcheck(fused_attention.geodesic_forward_op, args)
+    out, lse = fused_attention.geodesic_forward_op(*args)
     grad = torch.randn_like(out)
     backward_args = (*[a.detach() if isinstance(a, torch.Tensor) else a for a in args[:8]], out.detach(),
                      lse.detach(), grad, *args[8:])
-    torch.library.opcheck(triton_attention.geodesic_backward_op, backward_args,
+    torch.library.opcheck(fused_attention.geodesic_backward_op, backward_args,
                           test_utils=("test_schema", "test_faketensor"))
 
 

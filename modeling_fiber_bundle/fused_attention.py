@@ -20,10 +20,19 @@ combine and the softmax stay in float32).
 """
 
 import contextlib
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
 import warnings
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from transformers.utils import logging
 
 from .fiber_attention import (
     _kernel_mask,
@@ -40,6 +49,10 @@ try:  # optional: nothing below needs Triton unless the kernel runs
     import triton.language as tl
 except ImportError:
     triton = None
+
+# under transformers' logger, so that its verbosity (transformers.logging.set_verbosity_info(), TRANSFORMERS_VERBOSITY)
+# shows this file's info lines, from this package or from a Hub folder's copy (transformers_modules.*) alike
+logger = logging.get_logger(f"transformers.{__name__}")
 
 # Triton decides when a kernel is defined (at import) whether it runs compiled (CUDA) or interpreted (CPU tensors)
 INTERPRETED = triton is not None and bool(triton.knobs.runtime.interpret)
@@ -65,7 +78,7 @@ def use_triton_kernel(kernel: str, query: torch.Tensor, dropout: float, factors:
     (value, alpha, gamma: whether gradients flow is read off all of them, and only here, off the hot path of the CPU).
     ``dropout`` is the probability actually applied (0 in evaluation).
     """
-    if kernel == "pytorch":
+    if kernel in ("pytorch", "cpp"):
         return False
     if kernel == "auto":
         if not kernel_applies(query, dropout):
@@ -97,6 +110,34 @@ def auto_device(query: torch.Tensor) -> bool:
     """Whether "auto" runs the kernel on ``query``'s device: CUDA only (on CPU tensors Triton's interpreter is far
     slower than the blocked path; the tests replace this function to let the interpreter stand in for a GPU)."""
     return query.is_cuda
+
+
+def use_cpp_kernel(kernel: str, query: torch.Tensor, dropout: float, factors: torch.Tensor, key: torch.Tensor,
+                   attention_mask=None, others: tuple = ()) -> bool:
+    """Whether the default (blocked) branch of ``geodesic_attention_forward`` runs the fused C++ operator.
+
+    "pytorch" and "triton" never; "cpp" always, or a clear error where it cannot run (tensors not on the CPU,
+    attention dropout); "auto" for CPU tensors of ``CPU_KERNEL_DTYPES`` without attention dropout, except a one-token
+    step in inference (``geodesic_decode_step`` is shorter there), once the operator has been built here and has
+    passed its self-check on this call's signature (``kernel_passes_self_check``). Arguments as
+    ``use_triton_kernel``'s.
+    """
+    if kernel in ("pytorch", "triton"):
+        return False
+    if kernel == "cpp":
+        if query.device.type != "cpu" or dropout > 0:
+            raise ValueError(
+                f"fiber_attention_kernel='cpp' runs on CPU tensors without attention dropout; got tensors on "
+                f"{query.device} and attention dropout {dropout}: set fiber_attention_kernel='auto' (or attention_"
+                "dropout=0.0)."
+            )
+        return True
+    if query.device.type != "cpu" or auto_device(query) or query.dtype not in CPU_KERNEL_DTYPES or dropout > 0:
+        return False  # (auto_device: where the tests let Triton's interpreter stand in for a GPU, Triton is the one)
+    training = gradients_flow(query, factors, key, *others)
+    if query.shape[2] == 1 and not training:
+        return False
+    return kernel_passes_self_check(*kernel_signature(query, factors, key, attention_mask, training, "cpp"))
 
 
 def _tiles(r: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -518,47 +559,59 @@ def _backward(query, factors_in, alpha, bias, key, value, allowed, additive, out
 # node each, forward and backward) instead of breaking the graph around them. One namespace per loaded copy of this
 # file (the project's, a Hub folder's transformers_modules copy), so that both can be registered in one process.
 OP_NAMESPACE = "".join(c if c.isalnum() else "_" for c in __name__)
-geodesic_forward_op = geodesic_backward_op = None
-if triton is not None:
+
+
+def _define_operators(name: str, forward, backward) -> tuple:
+    """Register ``forward`` and ``backward`` (the signatures of ``_forward`` and ``_backward``) as the custom operators
+    ``OP_NAMESPACE::{name}_forward`` and ``..._backward``, with fake implementations (shapes for torch.compile) and
+    autograd (the backward operator as the forward's derivative). The Triton kernels and the C++ operator share this
+    schema, so the model's dispatch does not care which backs it. Returns (forward operator, backward operator)."""
     Tensor = torch.Tensor
 
-    @torch.library.custom_op(f"{OP_NAMESPACE}::geodesic_forward", mutates_args=())
-    def geodesic_forward_op(query: Tensor, factors: Tensor, alpha: Tensor, bias: Tensor, key: Tensor, value: Tensor,
-                            allowed: Tensor | None, additive: Tensor | None, scale: float, block_m: int,
-                            block_n: int) -> tuple[Tensor, Tensor]:
+    @torch.library.custom_op(f"{OP_NAMESPACE}::{name}_forward", mutates_args=())
+    def forward_op(query: Tensor, factors: Tensor, alpha: Tensor, bias: Tensor, key: Tensor, value: Tensor,
+                   allowed: Tensor | None, additive: Tensor | None, scale: float, block_m: int,
+                   block_n: int) -> tuple[Tensor, Tensor]:
         """The fused forward: (output in the compute dtype (B, Hk, g, q, d), log-sum-exp (B, Hk, g, q))."""
-        return _forward(query, factors, alpha, bias, key, value, allowed, additive, scale, block_m, block_n)
+        return forward(query, factors, alpha, bias, key, value, allowed, additive, scale, block_m, block_n)
 
-    @geodesic_forward_op.register_fake
+    @forward_op.register_fake
     def _(query, factors, alpha, bias, key, value, allowed, additive, scale, block_m, block_n):
         return query.new_empty(query.shape), query.new_empty(query.shape[:-1])
 
-    @torch.library.custom_op(f"{OP_NAMESPACE}::geodesic_backward", mutates_args=())
-    def geodesic_backward_op(query: Tensor, factors: Tensor, alpha: Tensor, bias: Tensor, key: Tensor, value: Tensor,
-                             allowed: Tensor | None, additive: Tensor | None, out: Tensor, lse: Tensor,
-                             grad_out: Tensor, scale: float, block_m: int,
-                             block_n: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    @torch.library.custom_op(f"{OP_NAMESPACE}::{name}_backward", mutates_args=())
+    def backward_op(query: Tensor, factors: Tensor, alpha: Tensor, bias: Tensor, key: Tensor, value: Tensor,
+                    allowed: Tensor | None, additive: Tensor | None, out: Tensor, lse: Tensor, grad_out: Tensor,
+                    scale: float, block_m: int, block_n: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         """The fused backward: gradients of query, factors, alpha, bias, key and value."""
-        return _backward(query, factors, alpha, bias, key, value, allowed, additive, out, lse, grad_out, scale,
-                         block_m, block_n)
+        return backward(query, factors, alpha, bias, key, value, allowed, additive, out, lse, grad_out, scale,
+                        block_m, block_n)
 
-    @geodesic_backward_op.register_fake
+    @backward_op.register_fake
     def _(query, factors, alpha, bias, key, value, allowed, additive, out, lse, grad_out, scale, block_m, block_n):
         return (query.new_empty(query.shape), factors.new_empty(factors.shape), alpha.new_empty(alpha.shape),
                 bias.new_empty(bias.shape), key.new_empty(key.shape), value.new_empty(value.shape))
 
-    def _setup_context(ctx, inputs, output):
+    def setup_context(ctx, inputs, output):
         query, factors, alpha, bias, key, value, allowed, additive, scale, block_m, block_n = inputs
         out, lse = output
         # saved: the inputs, the output and the log-sum-exp only; G_i q_i is rebuilt in the backward
         ctx.save_for_backward(query, factors, alpha, bias, key, value, allowed, additive, out, lse)
         ctx.scale, ctx.tiles = scale, (block_m, block_n)
 
-    def _autograd_backward(ctx, grad_out, grad_lse):
-        grads = geodesic_backward_op(*ctx.saved_tensors, grad_out, ctx.scale, *ctx.tiles)
+    def autograd_backward(ctx, grad_out, grad_lse):
+        grads = backward_op(*ctx.saved_tensors, grad_out, ctx.scale, *ctx.tiles)
         return (*grads, None, None, None, None, None)
 
-    geodesic_forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+    forward_op.register_autograd(autograd_backward, setup_context=setup_context)
+    return forward_op, backward_op
+
+
+geodesic_forward_op = geodesic_backward_op = None
+if triton is not None:
+    # looked up at each call (not bound here), so that a test may replace _forward or _backward
+    geodesic_forward_op, geodesic_backward_op = _define_operators(
+        "geodesic", lambda *args: _forward(*args), lambda *args: _backward(*args))
 
 
 def triton_geodesic_attention(
@@ -585,6 +638,694 @@ def triton_geodesic_attention(
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# The C++ operator (CPU; docs/design.md 1.5)
+# ---------------------------------------------------------------------------------------------------------------------
+# What the Triton kernels do on a GPU, as one C++ operator on the CPU: per (batch, KV group, query tile) an online
+# softmax over key tiles, the tile's stacked pseudo-queries (g + gf r rows) multiplied by the key tile once, the combine,
+# the masks and the softmax on cache-resident tiles, the backward recomputing the probabilities; torch's intra-op
+# threads take the tiles in turn. No n x n x r tensor and no per-block Python. Built from CPU_SOURCE by the machine's
+# C++ compiler on first use (about 10 s) and cached on disk (``cpu_operator``), as inductor builds its own C++ (a pip
+# install has no build step, and a Hub folder carries this source in this file); where it cannot be built, the blocked
+# PyTorch path runs and one info line says why.
+CPU_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # computed in float32 or float64
+# Query and key tile: 32 x 64 was fastest of 32/64/128 x 32/64/128 at the `small` training shape and about equal at
+# SmolLM2's n = 512 and 2048 (AMD EPYC, 2 threads; docs/benchmarks.md)
+CPU_TILES = (32, 64)
+# -fopenmp: torch's at::parallel_for is a header template that runs in parallel only where the including file is
+# compiled with OpenMP (torch's own libgomp is already loaded, so no second runtime comes in). The instruction set
+# comes from ``cpu_arch_flags``.
+CPU_FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-std=c++20", "-shared", "-fPIC", "-w")
+
+
+def cpu_arch_flags() -> list[str]:
+    """-march=native: the tiles' products and exp use the machine's widest vectors (the cache key holds the CPU's model
+    and flags, so a cache shared by different machines keeps one build each); under ATEN_CPU_CAPABILITY, ATen's own
+    switch for its kernels, the instruction set it names: AVX2 and FMA for "avx2", the compiler's baseline for
+    "default" (so CI's second pass runs the operator's narrow-vector code too)."""
+    capability = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
+    return {"default": [], "avx2": ["-mavx2", "-mfma"]}.get(capability, ["-march=native"])
+CPU_SOURCE = r"""// The fused geodesic attention on the CPU, forward and backward (docs/design.md 1.5). Built by fused_attention.py
+// with the flags of CPU_FLAGS and loaded with torch.ops.load_library; NAMESPACE is defined on the command line.
+//
+// Layout (row-major, contiguous, all in one floating dtype T, float or double): gq (B, Hk, g, q, d) the scaled
+// G_i q_i of each query head; fs (B, Hk, gf, q, r, d) the scaled factors, gf = 1 (shared by a KV group) or g; ha (Hk,
+// g) alpha / 2; bias (B, Hk, g, kv) the key term; key, value (B, Hk, kv, d); the mask parts broadcast to (B, Hk, g,
+// q, kv) by their strides.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using at::Tensor;
+
+// ---------------------------------------------------------------------------------------------------------------
+// Vector helpers. Why explicit vectors: the compiler vectorises neither exp nor a float max reduction by itself.
+// ---------------------------------------------------------------------------------------------------------------
+typedef float vfloat __attribute__((vector_size(64)));  // 16 floats: one AVX-512 register or two AVX2 ones
+typedef int32_t vint __attribute__((vector_size(64)));
+constexpr int kLanes = 16;
+
+inline vfloat vload(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void vstore(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
+
+// exp by Cody-Waite reduction x = n ln2 + t and a degree-6 polynomial for e^t; relative error ~2e-7
+inline vfloat vexp(vfloat x) {
+  x = x > -87.0f ? x : vfloat{} - 87.0f;
+  const vfloat n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest: + - 1.5 * 2^23
+  const vfloat t = (x - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;  // ln 2 in two parts
+  vfloat p = vfloat{} + 1.0f / 720;
+  p = p * t + 1.0f / 120;
+  p = p * t + 1.0f / 24;
+  p = p * t + 1.0f / 6;
+  p = p * t + 0.5f;
+  p = p * t + 1.0f;
+  p = p * t + 1.0f;
+  const vint bits = (__builtin_convertvector(n, vint) + 127) << 23;  // 2^n
+  return p * reinterpret_cast<const vfloat&>(bits);
+}
+
+inline float exp_one(float x) {
+  float in[kLanes] = {x}, out[kLanes];
+  vstore(out, vexp(vload(in)));
+  return out[0];
+}
+
+inline double exp_one(double x) { return std::exp(x); }
+
+// max of x[0, n)
+inline float row_max(const float* x, int64_t n) {
+  vfloat m = vfloat{} - std::numeric_limits<float>::infinity();
+  int64_t k = 0;
+  for (; k + kLanes <= n; k += kLanes) {
+    const vfloat v = vload(x + k);
+    m = m > v ? m : v;
+  }
+  float out = -std::numeric_limits<float>::infinity();
+  for (int j = 0; j < kLanes; ++j) out = std::max(out, m[j]);
+  for (; k < n; ++k) out = std::max(out, x[k]);
+  return out;
+}
+
+inline double row_max(const double* x, int64_t n) {
+  double out = -std::numeric_limits<double>::infinity();
+  for (int64_t k = 0; k < n; ++k) out = std::max(out, x[k]);
+  return out;
+}
+
+// x[k] <- exp(x[k] - shift), exactly 0 where x[k] is -inf (a blocked key); returns the row's sum
+inline float exp_shifted(float* x, int64_t n, float shift) {
+  constexpr float blocked = -std::numeric_limits<float>::infinity();
+  vfloat sum{};
+  int64_t k = 0;
+  for (; k + kLanes <= n; k += kLanes) {
+    const vfloat v = vload(x + k);
+    const vfloat e = v == blocked ? vfloat{} : vexp(v - shift);
+    vstore(x + k, e);
+    sum += e;
+  }
+  float out = 0;
+  for (int j = 0; j < kLanes; ++j) out += sum[j];
+  for (; k < n; ++k) {
+    x[k] = x[k] == blocked ? 0.0f : exp_one(x[k] - shift);
+    out += x[k];
+  }
+  return out;
+}
+
+inline double exp_shifted(double* x, int64_t n, double shift) {
+  double out = 0;
+  for (int64_t k = 0; k < n; ++k) {
+    x[k] = x[k] == -std::numeric_limits<double>::infinity() ? 0.0 : std::exp(x[k] - shift);
+    out += x[k];
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Products of cache-resident tiles: C (m x n, row-major, ldc) = [C +] A B, A's element (i, k) at a[i sai + k sak]
+// (A may be read transposed), B row-major (k x n, ldb). Why not BLAS: a BLAS call inside our threads runs its own
+// threading (MKL's cost twice the product here), and these tiles fit a register-blocked kernel that reaches the
+// core's peak; each MR x NR block of C stays in vector registers over the whole k loop.
+// ---------------------------------------------------------------------------------------------------------------
+#if defined(__AVX512F__)
+constexpr int kVectorBytes = 64;
+constexpr int kRows = 8;  // 16 accumulators of 32 registers
+#else
+constexpr int kVectorBytes = 32;
+constexpr int kRows = 6;  // 12 accumulators of 16 registers
+#endif
+
+template <typename T, int MR>
+inline void micro_kernel(int64_t kc, const T* a, int64_t sai, int64_t sak, const T* b, int64_t ldb, T* c, int64_t ldc,
+                         bool accumulate) {
+  typedef T V __attribute__((vector_size(kVectorBytes)));
+  constexpr int W = kVectorBytes / sizeof(T);
+  V acc[MR][2];
+  for (int i = 0; i < MR; ++i) {
+    if (accumulate) {
+      std::memcpy(&acc[i][0], c + i * ldc, sizeof(V));
+      std::memcpy(&acc[i][1], c + i * ldc + W, sizeof(V));
+    } else {
+      acc[i][0] = V{};
+      acc[i][1] = V{};
+    }
+  }
+  for (int64_t k = 0; k < kc; ++k) {
+    V b0, b1;  // a row of B in registers, used by every row of A
+    std::memcpy(&b0, b + k * ldb, sizeof(V));
+    std::memcpy(&b1, b + k * ldb + W, sizeof(V));
+    for (int i = 0; i < MR; ++i) {
+      const T av = a[i * sai + k * sak];
+      acc[i][0] += av * b0;
+      acc[i][1] += av * b1;
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    std::memcpy(c + i * ldc, &acc[i][0], sizeof(V));
+    std::memcpy(c + i * ldc + W, &acc[i][1], sizeof(V));
+  }
+}
+
+template <typename T>
+void tile_product(int64_t m, int64_t n, int64_t kc, const T* a, int64_t sai, int64_t sak, const T* b, int64_t ldb,
+                  T* c, int64_t ldc, bool accumulate) {
+  constexpr int64_t NR = 2 * kVectorBytes / sizeof(T);
+  const int64_t n_full = n - n % NR, m_full = m - m % kRows;
+  for (int64_t j = 0; j < n_full; j += NR) {
+    int64_t i = 0;
+    for (; i < m_full; i += kRows)
+      micro_kernel<T, kRows>(kc, a + i * sai, sai, sak, b + j, ldb, c + i * ldc + j, ldc, accumulate);
+    for (; i < m; ++i) micro_kernel<T, 1>(kc, a + i * sai, sai, sak, b + j, ldb, c + i * ldc + j, ldc, accumulate);
+  }
+  for (int64_t i = 0; i < m && n_full < n; ++i) {  // the last columns, fewer than NR
+    for (int64_t j = n_full; j < n; ++j) {
+      T s = accumulate ? c[i * ldc + j] : T(0);
+      for (int64_t k = 0; k < kc; ++k) s += a[i * sai + k * sak] * b[k * ldb + j];
+      c[i * ldc + j] = s;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The problem, its mask, its tiles
+// ---------------------------------------------------------------------------------------------------------------
+struct Problem {
+  int64_t b, hk, g, gf, q, kv, r, d;
+  int64_t bm, bn;  // query and key tile
+};
+
+struct Mask {
+  const bool* allowed = nullptr;  // True where the key may be attended; strides over (B, Hk, g, q, kv), 0 if broadcast
+  int64_t as[5] = {0, 0, 0, 0, 0};
+  const void* additive = nullptr;  // the float mask, added to the scores
+  int64_t fs[5] = {0, 0, 0, 0, 0};
+  bool causal = false;  // no mask and several query rows: key j <= row i (upper-left, as SDPA's is_causal)
+};
+
+// Run fn(item) for every item of [0, n) on torch's intra-op threads, each taking the next item in turn (causal
+// query tiles differ in cost, so a static split would leave threads idle)
+template <typename F>
+void parallel_items(int64_t n, const F& fn) {
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t w0, int64_t w1) {
+    for (int64_t w = w0; w < w1; ++w)
+      for (int64_t item = next++; item < n; item = next++) fn(item);
+  });
+}
+
+// The key tiles the rows [i0, i1) of KV group (b, h) may attend to: under the causal mask those up to row i1 - 1;
+// under a boolean mask those with an allowed key for some row of some head of the group (padding and sliding
+// windows skip whole tiles); else all
+std::vector<int64_t> key_tiles(const Problem& p, const Mask& m, int64_t b, int64_t h, int64_t i0, int64_t i1) {
+  std::vector<int64_t> tiles;
+  const int64_t n_tiles = (p.kv + p.bn - 1) / p.bn;
+  for (int64_t t = 0; t < n_tiles; ++t) {
+    const int64_t k0 = t * p.bn, k1 = std::min(p.kv, k0 + p.bn);
+    if (m.causal && k0 >= i1) break;
+    bool any = m.allowed == nullptr;
+    for (int64_t j = 0; j < p.g && !any; ++j) {
+      for (int64_t i = i0; i < i1 && !any; ++i) {
+        const bool* row = m.allowed + b * m.as[0] + h * m.as[1] + j * m.as[2] + i * m.as[3];
+        for (int64_t k = k0; k < k1 && !any; ++k) any = row[k * m.as[4]];
+      }
+    }
+    if (any) tiles.push_back(t);
+  }
+  return tiles;
+}
+
+// The stacked pseudo-queries of a query tile (rows x d): g blocks of bm rows of scale G_i q_i, then gf blocks of
+// bm r factor rows sqrt(scale) u_ia
+template <typename T>
+void gather_rows(const Problem& p, const T* gq, const T* fs, int64_t bh, int64_t i0, int64_t bm, T* rows) {
+  for (int64_t j = 0; j < p.g; ++j)
+    std::memcpy(rows + j * bm * p.d, gq + ((bh * p.g + j) * p.q + i0) * p.d, sizeof(T) * bm * p.d);
+  for (int64_t f = 0; f < p.gf; ++f)
+    std::memcpy(rows + (p.g * bm + f * bm * p.r) * p.d, fs + ((bh * p.gf + f) * p.q + i0) * p.r * p.d,
+                sizeof(T) * bm * p.r * p.d);
+}
+
+// The logits of one (query tile, key tile), as the blocked path's _block_logits: lin_ij + bias_j - (alpha/2)
+// ||U_i^T k_j||^2, the float mask added (clamped to the dtype's lowest), -inf where blocked. prods (rows x ldp) are
+// the products of the stacked rows with the key tile; writes logits (g bm x ldp) and the quadratic terms
+// (gf bm x ldp) into quad.
+template <typename T>
+void tile_logits(const Problem& p, const Mask& m, const T* prods, const T* bias, const T* ha, int64_t bh, int64_t i0,
+                 int64_t bm, int64_t k0, int64_t bn, T* logits, T* quad) {
+  const int64_t ld = p.bn, b = bh / p.hk, h = bh % p.hk;
+  const T* coords = prods + p.g * bm * ld;  // U_i^T k_j: (gf, bm, r) rows
+  for (int64_t f = 0; f < p.gf; ++f) {
+    for (int64_t i = 0; i < bm; ++i) {
+      T* qd = quad + (f * bm + i) * ld;
+      const T* c = coords + (f * bm + i) * p.r * ld;
+      for (int64_t k = 0; k < bn; ++k) qd[k] = c[k] * c[k];
+      for (int64_t a = 1; a < p.r; ++a)
+        for (int64_t k = 0; k < bn; ++k) qd[k] += c[a * ld + k] * c[a * ld + k];
+    }
+  }
+  const T blocked = -std::numeric_limits<T>::infinity(), lowest = std::numeric_limits<T>::lowest();
+  for (int64_t j = 0; j < p.g; ++j) {
+    const T half_alpha = ha[h * p.g + j];
+    const T* bias_j = bias + (bh * p.g + j) * p.kv + k0;
+    for (int64_t i = 0; i < bm; ++i) {
+      const T* lin = prods + (j * bm + i) * ld;
+      const T* qd = quad + ((p.gf == 1 ? 0 : j) * bm + i) * ld;  // a shared group's quadratic serves its g heads
+      T* l = logits + (j * bm + i) * ld;
+      for (int64_t k = 0; k < bn; ++k) l[k] = lin[k] + bias_j[k] - half_alpha * qd[k];
+      const int64_t row = i0 + i;
+      if (m.additive != nullptr) {
+        const T* add = static_cast<const T*>(m.additive) + b * m.fs[0] + h * m.fs[1] + j * m.fs[2] + row * m.fs[3];
+        for (int64_t k = 0; k < bn; ++k) l[k] = std::max(l[k] + add[(k0 + k) * m.fs[4]], lowest);
+      }
+      if (m.allowed != nullptr) {
+        const bool* al = m.allowed + b * m.as[0] + h * m.as[1] + j * m.as[2] + row * m.as[3];
+        for (int64_t k = 0; k < bn; ++k) l[k] = al[(k0 + k) * m.as[4]] ? l[k] : blocked;
+      } else if (m.causal) {
+        for (int64_t k = std::max<int64_t>(0, row + 1 - k0); k < bn; ++k) l[k] = blocked;  // keys after the row
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Forward: per (batch, KV group, query tile) an online softmax over the key tiles (as FlashAttention), the output
+// and the log-sum-exp of each row (+inf for a row with no allowed key, whose output is 0).
+// ---------------------------------------------------------------------------------------------------------------
+template <typename T>
+void forward_tiles(const Problem& p, const Mask& m, const T* gq, const T* fs, const T* ha, const T* bias,
+                   const T* key_t, const T* value, T* out, T* lse) {
+  const int64_t n_q = (p.q + p.bm - 1) / p.bm, max_rows = p.g * p.bm + p.gf * p.bm * p.r;
+  constexpr T none = -std::numeric_limits<T>::infinity();
+  parallel_items(p.b * p.hk * n_q, [&](int64_t item) {
+    const int64_t t = n_q - 1 - item % n_q, bh = item / n_q;  // the longest causal tiles first
+    const int64_t i0 = t * p.bm, bm = std::min(p.bm, p.q - i0), n_rows = p.g * bm + p.gf * bm * p.r;
+    std::vector<T> rows(max_rows * p.d), prods(max_rows * p.bn), probs(p.g * p.bm * p.bn), quad(p.gf * p.bm * p.bn);
+    std::vector<T> acc(p.g * bm * p.d, T(0)), run_max(p.g * bm, none), run_sum(p.g * bm, T(0));
+    gather_rows(p, gq, fs, bh, i0, bm, rows.data());
+    const T* kt = key_t + bh * p.d * p.kv;  // keys transposed: (d, kv)
+    const T* v = value + bh * p.kv * p.d;
+    for (int64_t tile : key_tiles(p, m, bh / p.hk, bh % p.hk, i0, i0 + bm)) {
+      const int64_t k0 = tile * p.bn, bn = std::min(p.bn, p.kv - k0);
+      // (rows x d) @ (d x bn): every pseudo-query with every key of the tile, r + 1 products per (query, key)
+      tile_product<T>(n_rows, bn, p.d, rows.data(), p.d, 1, kt + k0, p.kv, prods.data(), p.bn, false);
+      tile_logits<T>(p, m, prods.data(), bias, ha, bh, i0, bm, k0, bn, probs.data(), quad.data());
+      for (int64_t row = 0; row < p.g * bm; ++row) {
+        T* l = probs.data() + row * p.bn;
+        const T new_max = std::max(run_max[row], row_max(l, bn));
+        if (new_max == none) {  // no allowed key in this row so far
+          std::fill(l, l + bn, T(0));
+          continue;
+        }
+        const T rescale = exp_one(run_max[row] - new_max);  // exp(-inf) = 0 on the first allowed tile
+        run_sum[row] = run_sum[row] * rescale + exp_shifted(l, bn, new_max);
+        run_max[row] = new_max;
+        for (int64_t c = 0; c < p.d; ++c) acc[row * p.d + c] *= rescale;
+      }
+      // (g bm x bn) @ (bn x d): the tile's probabilities times its values
+      tile_product<T>(p.g * bm, p.d, bn, probs.data(), p.bn, 1, v + k0 * p.d, p.d, acc.data(), p.d, true);
+    }
+    for (int64_t j = 0; j < p.g; ++j) {
+      for (int64_t i = 0; i < bm; ++i) {
+        const int64_t row = j * bm + i, o = (bh * p.g + j) * p.q + i0 + i;
+        const bool empty = run_sum[row] == T(0);
+        const T inv = empty ? T(0) : T(1) / run_sum[row];
+        for (int64_t c = 0; c < p.d; ++c) out[o * p.d + c] = acc[row * p.d + c] * inv;
+        lse[o] = empty ? std::numeric_limits<T>::infinity() : run_max[row] + std::log(run_sum[row]);
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Backward: the probabilities recomputed from the log-sum-exp. Work items are (batch, KV group, chunk of query
+// tiles); each chunk accumulates its own key-side gradients (dK, dV, d bias, d alpha), summed over chunks after, so
+// no two threads write the same memory. The query-side gradients of a tile (d rows) are its own.
+// ---------------------------------------------------------------------------------------------------------------
+template <typename T>
+void backward_tiles(const Problem& p, const Mask& m, const T* gq, const T* fs, const T* ha, const T* bias,
+                    const T* key, const T* key_t, const T* value_t, const T* lse, const T* delta, const T* grad_out,
+                    T* d_gq, T* d_fs, T* d_ha, T* d_bias, T* d_key, T* d_value, int64_t chunks) {
+  const int64_t n_q = (p.q + p.bm - 1) / p.bm, max_rows = p.g * p.bm + p.gf * p.bm * p.r;
+  parallel_items(p.b * p.hk * chunks, [&](int64_t item) {
+    const int64_t c = item % chunks, bh = item / chunks;
+    std::vector<T> rows(max_rows * p.d), prods(max_rows * p.bn), probs(p.g * p.bm * p.bn), quad(p.gf * p.bm * p.bn);
+    std::vector<T> d_out(p.g * p.bm * p.d), d_probs(p.g * p.bm * p.bn), d_rows(max_rows * p.d), d_half(p.g, T(0));
+    const T* k = key + bh * p.kv * p.d;
+    const T* kt = key_t + bh * p.d * p.kv;
+    const T* vt = value_t + bh * p.d * p.kv;
+    T* dk = d_key + (c * p.b * p.hk + bh) * p.kv * p.d;
+    T* dv = d_value + (c * p.b * p.hk + bh) * p.kv * p.d;
+    T* db = d_bias + (c * p.b * p.hk + bh) * p.g * p.kv;
+    for (int64_t t = n_q - 1 - c; t >= 0; t -= chunks) {  // this chunk's query tiles, interleaved with the others'
+      const int64_t i0 = t * p.bm, bm = std::min(p.bm, p.q - i0), n_rows = p.g * bm + p.gf * bm * p.r;
+      gather_rows(p, gq, fs, bh, i0, bm, rows.data());
+      for (int64_t j = 0; j < p.g; ++j)
+        std::memcpy(d_out.data() + j * bm * p.d, grad_out + ((bh * p.g + j) * p.q + i0) * p.d, sizeof(T) * bm * p.d);
+      std::fill(d_rows.begin(), d_rows.begin() + n_rows * p.d, T(0));
+      for (int64_t tile : key_tiles(p, m, bh / p.hk, bh % p.hk, i0, i0 + bm)) {
+        const int64_t k0 = tile * p.bn, bn = std::min(p.bn, p.kv - k0);
+        tile_product<T>(n_rows, bn, p.d, rows.data(), p.d, 1, kt + k0, p.kv, prods.data(), p.bn, false);
+        tile_logits<T>(p, m, prods.data(), bias, ha, bh, i0, bm, k0, bn, probs.data(), quad.data());
+        for (int64_t j = 0; j < p.g; ++j) {
+          for (int64_t i = 0; i < bm; ++i) {
+            const T row_lse = lse[(bh * p.g + j) * p.q + i0 + i];
+            T* l = probs.data() + (j * bm + i) * p.bn;
+            if (row_lse == std::numeric_limits<T>::infinity())  // a row that attends to nothing
+              std::fill(l, l + bn, T(0));
+            else
+              exp_shifted(l, bn, row_lse);  // P = exp(logits - lse)
+          }
+        }
+        // dV += P^T dO: (bn x g bm) @ (g bm x d); dP = dO V^T: (g bm x d) @ (d x bn)
+        tile_product<T>(bn, p.d, p.g * bm, probs.data(), 1, p.bn, d_out.data(), p.d, dv + k0 * p.d, p.d, true);
+        tile_product<T>(p.g * bm, bn, p.d, d_out.data(), p.d, 1, vt + k0, p.kv, d_probs.data(), p.bn, false);
+        // softmax backward dS = P (dP - D_i), written over the products' linear rows; the key term's and the
+        // gate's gradients: d bias_j = sum_i dS_ij, d(alpha/2) = -sum_ij dS_ij ||U_i^T k_j||^2
+        T* d_logits = prods.data();
+        for (int64_t j = 0; j < p.g; ++j) {
+          T* dbj = db + j * p.kv + k0;
+          T gate = 0;
+          for (int64_t i = 0; i < bm; ++i) {
+            const T dl = delta[(bh * p.g + j) * p.q + i0 + i];
+            const T* pr = probs.data() + (j * bm + i) * p.bn;
+            const T* dp = d_probs.data() + (j * bm + i) * p.bn;
+            const T* qd = quad.data() + ((p.gf == 1 ? 0 : j) * bm + i) * p.bn;
+            T* ds = d_logits + (j * bm + i) * p.bn;
+            for (int64_t kk = 0; kk < bn; ++kk) {
+              ds[kk] = pr[kk] * (dp[kk] - dl);
+              dbj[kk] += ds[kk];
+              gate += ds[kk] * qd[kk];
+            }
+          }
+          d_half[j] -= gate;
+        }
+        // d coords U_i^T k_j = -2 (alpha/2) dS_ij U_i^T k_j, summed over the heads that share the factors, written
+        // over the products' factor rows (the quadratic terms' buffer holds the weights)
+        T* coords = prods.data() + p.g * bm * p.bn;
+        for (int64_t f = 0; f < p.gf; ++f) {
+          for (int64_t i = 0; i < bm; ++i) {
+            T* w = quad.data() + (f * bm + i) * p.bn;
+            std::fill(w, w + bn, T(0));
+            for (int64_t j = (p.gf == 1 ? 0 : f); j < (p.gf == 1 ? p.g : f + 1); ++j) {
+              const T scale = T(-2) * ha[(bh % p.hk) * p.g + j];
+              const T* ds = d_logits + (j * bm + i) * p.bn;
+              for (int64_t kk = 0; kk < bn; ++kk) w[kk] += scale * ds[kk];
+            }
+            for (int64_t a = 0; a < p.r; ++a) {
+              T* ca = coords + ((f * bm + i) * p.r + a) * p.bn;
+              for (int64_t kk = 0; kk < bn; ++kk) ca[kk] *= w[kk];
+            }
+          }
+        }
+        // d rows += d prods K: (rows x bn) @ (bn x d); dK += d prods^T rows: (bn x rows) @ (rows x d)
+        tile_product<T>(n_rows, p.d, bn, prods.data(), p.bn, 1, k + k0 * p.d, p.d, d_rows.data(), p.d, true);
+        tile_product<T>(bn, p.d, n_rows, prods.data(), 1, p.bn, rows.data(), p.d, dk + k0 * p.d, p.d, true);
+      }
+      for (int64_t j = 0; j < p.g; ++j)
+        std::memcpy(d_gq + ((bh * p.g + j) * p.q + i0) * p.d, d_rows.data() + j * bm * p.d, sizeof(T) * bm * p.d);
+      for (int64_t f = 0; f < p.gf; ++f)
+        std::memcpy(d_fs + ((bh * p.gf + f) * p.q + i0) * p.r * p.d, d_rows.data() + (p.g * bm + f * bm * p.r) * p.d,
+                    sizeof(T) * bm * p.r * p.d);
+    }
+    for (int64_t j = 0; j < p.g; ++j) d_ha[(bh * chunks + c) * p.g + j] = d_half[j];
+  });
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The operators
+// ---------------------------------------------------------------------------------------------------------------
+Problem read_problem(const Tensor& gq, const Tensor& fs, const Tensor& ha, const Tensor& bias, const Tensor& key,
+                     const Tensor& value, int64_t bm, int64_t bn) {
+  TORCH_CHECK(gq.dim() == 5 && fs.dim() == 6 && key.dim() == 4 && value.dim() == 4,
+              "geodesic attention (CPU): expected query (B, Hk, g, q, d), factors (B, Hk, gf, q, r, d), key and value "
+              "(B, Hk, kv, d)");
+  Problem p{gq.size(0), gq.size(1), gq.size(2), fs.size(2), gq.size(3), key.size(2), fs.size(4), gq.size(4), bm, bn};
+  TORCH_CHECK(p.gf == 1 || p.gf == p.g, "geodesic attention (CPU): factors per KV group or per query head");
+  TORCH_CHECK(bm > 0 && bn > 0, "geodesic attention (CPU): tiles must be positive");
+  for (const Tensor* t : {&gq, &fs, &ha, &bias, &key, &value}) {
+    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->scalar_type() == gq.scalar_type(),
+                "geodesic attention (CPU): contiguous CPU tensors of one dtype (float32 or float64) expected");
+  }
+  TORCH_CHECK(key.size(0) == p.b && key.size(1) == p.hk && key.size(3) == p.d && value.sizes() == key.sizes() &&
+                  fs.size(0) == p.b && fs.size(1) == p.hk && fs.size(3) == p.q && fs.size(5) == p.d &&
+                  ha.numel() == p.hk * p.g && bias.numel() == p.b * p.hk * p.g * p.kv,
+              "geodesic attention (CPU): inconsistent shapes");
+  return p;
+}
+
+Mask read_mask(const std::optional<Tensor>& allowed, const std::optional<Tensor>& additive, const Problem& p,
+               at::ScalarType dtype, std::vector<Tensor>& keep) {
+  Mask m;
+  const std::vector<int64_t> full{p.b, p.hk, p.g, p.q, p.kv};
+  if (allowed.has_value()) {
+    TORCH_CHECK(allowed->scalar_type() == at::kBool && allowed->dim() == 5, "geodesic attention (CPU): bool mask");
+    keep.push_back(allowed->expand(full));  // a view: strides 0 where the mask broadcasts
+    m.allowed = keep.back().data_ptr<bool>();
+    for (int i = 0; i < 5; ++i) m.as[i] = keep.back().stride(i);
+  }
+  if (additive.has_value()) {
+    TORCH_CHECK(additive->scalar_type() == dtype && additive->dim() == 5,
+                "geodesic attention (CPU): the float mask in the compute dtype");
+    keep.push_back(additive->expand(full));
+    m.additive = keep.back().data_ptr();
+    for (int i = 0; i < 5; ++i) m.fs[i] = keep.back().stride(i);
+  }
+  m.causal = !allowed.has_value() && p.q > 1;
+  return m;
+}
+
+std::tuple<Tensor, Tensor> geodesic_forward(const Tensor& gq, const Tensor& fs, const Tensor& ha, const Tensor& bias,
+                                            const Tensor& key, const Tensor& value,
+                                            const std::optional<Tensor>& allowed,
+                                            const std::optional<Tensor>& additive, int64_t bm, int64_t bn) {
+  const Problem p = read_problem(gq, fs, ha, bias, key, value, bm, bn);
+  std::vector<Tensor> keep;
+  const Mask m = read_mask(allowed, additive, p, gq.scalar_type(), keep);
+  Tensor out = at::empty(gq.sizes(), gq.options());
+  Tensor lse = at::empty({p.b, p.hk, p.g, p.q}, gq.options());
+  Tensor key_t = key.transpose(2, 3).contiguous();  // (B, Hk, d, kv): a key tile's columns are contiguous rows
+  AT_DISPATCH_FLOATING_TYPES(gq.scalar_type(), "geodesic_forward", [&] {
+    forward_tiles<scalar_t>(p, m, gq.data_ptr<scalar_t>(), fs.data_ptr<scalar_t>(), ha.data_ptr<scalar_t>(),
+                            bias.data_ptr<scalar_t>(), key_t.data_ptr<scalar_t>(), value.data_ptr<scalar_t>(),
+                            out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>());
+  });
+  return {out, lse};
+}
+
+std::vector<Tensor> geodesic_backward(const Tensor& gq, const Tensor& fs, const Tensor& ha, const Tensor& bias,
+                                      const Tensor& key, const Tensor& value, const std::optional<Tensor>& allowed,
+                                      const std::optional<Tensor>& additive, const Tensor& lse, const Tensor& delta,
+                                      const Tensor& grad_out, int64_t bm, int64_t bn) {
+  const Problem p = read_problem(gq, fs, ha, bias, key, value, bm, bn);
+  std::vector<Tensor> keep;
+  const Mask m = read_mask(allowed, additive, p, gq.scalar_type(), keep);
+  for (const Tensor* t : {&lse, &delta, &grad_out}) {
+    TORCH_CHECK(t->is_contiguous() && t->scalar_type() == gq.scalar_type(),
+                "geodesic attention (CPU): lse, delta and grad_out contiguous in the compute dtype");
+  }
+  const int64_t n_q = (p.q + p.bm - 1) / p.bm, groups = p.b * p.hk;
+  // chunks of query tiles per KV group: enough work items for every thread twice over, at most one per tile
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(n_q, (2 * at::get_num_threads() + groups - 1) / groups));
+  Tensor d_gq = at::empty(gq.sizes(), gq.options());
+  Tensor d_fs = at::empty(fs.sizes(), fs.options());
+  Tensor d_ha = at::empty({p.b, p.hk, chunks, p.g}, gq.options());
+  Tensor d_bias = at::zeros({chunks, p.b, p.hk, p.g, p.kv}, gq.options());
+  Tensor d_key = at::zeros({chunks, p.b, p.hk, p.kv, p.d}, gq.options());
+  Tensor d_value = at::zeros({chunks, p.b, p.hk, p.kv, p.d}, gq.options());
+  Tensor key_t = key.transpose(2, 3).contiguous(), value_t = value.transpose(2, 3).contiguous();
+  AT_DISPATCH_FLOATING_TYPES(gq.scalar_type(), "geodesic_backward", [&] {
+    backward_tiles<scalar_t>(
+        p, m, gq.data_ptr<scalar_t>(), fs.data_ptr<scalar_t>(), ha.data_ptr<scalar_t>(), bias.data_ptr<scalar_t>(),
+        key.data_ptr<scalar_t>(), key_t.data_ptr<scalar_t>(), value_t.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(),
+        delta.data_ptr<scalar_t>(), grad_out.data_ptr<scalar_t>(), d_gq.data_ptr<scalar_t>(),
+        d_fs.data_ptr<scalar_t>(), d_ha.data_ptr<scalar_t>(), d_bias.data_ptr<scalar_t>(),
+        d_key.data_ptr<scalar_t>(), d_value.data_ptr<scalar_t>(), chunks);
+  });
+  // per chunk -> summed: d(alpha/2) (Hk, g), d bias (B, Hk, g, kv), dK and dV (B, Hk, kv, d)
+  return {d_gq, d_fs, d_ha.sum({0, 2}), d_bias.sum(0), d_key.sum(0), d_value.sum(0)};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(NAMESPACE, lib) {
+  lib.def("forward(Tensor gq, Tensor fs, Tensor ha, Tensor bias, Tensor key, Tensor value, Tensor? allowed, "
+          "Tensor? additive, int bm, int bn) -> (Tensor, Tensor)");
+  lib.def("backward(Tensor gq, Tensor fs, Tensor ha, Tensor bias, Tensor key, Tensor value, Tensor? allowed, "
+          "Tensor? additive, Tensor lse, Tensor delta, Tensor grad_out, int bm, int bn) -> Tensor[]");
+}
+
+TORCH_LIBRARY_IMPL(NAMESPACE, CPU, lib) {
+  lib.impl("forward", &geodesic_forward);
+  lib.impl("backward", &geodesic_backward);
+}
+"""
+
+_cpu_operator: dict = {}  # "ops": the loaded operators (torch.ops namespace) or None, "why": why not
+
+
+def cpu_operator():
+    """The C++ operator's ``torch.ops`` namespace (``forward`` and ``backward``), built on first use and loaded from
+    the cache after; None where it cannot be built or loaded here, after one info line saying why (once per process)."""
+    if "ops" not in _cpu_operator:
+        try:
+            ops, why = _build_cpu_operator(), None
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            ops, why = None, " ".join(str(exc).split())[:500]
+        _cpu_operator.update(ops=ops, why=why)
+        if ops is None:
+            logger.info(f"The fused C++ geodesic attention is not available here ({why}); the blocked PyTorch path "
+                        "computes the attention on the CPU (the same function, slower).")
+    return _cpu_operator["ops"]
+
+
+def cpu_cache_dir() -> Path:
+    """Where built operators are kept: $TORCH_EXTENSIONS_DIR (torch's setting for its own C++ extensions) or
+    ~/.cache/torch_extensions, under fiber_bundle_attention/."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "torch_extensions")
+    return Path(root) / "fiber_bundle_attention"
+
+
+def _cpu_identity() -> str:
+    """The CPU's model and instruction-set flags (what -march=native compiles for)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f.read().splitlines()[:60] if line.startswith(("model name", "flags"))]
+    except OSError:
+        lines = []
+    return "\n".join(lines) or platform.processor() or platform.machine()
+
+
+def _build_cpu_operator():
+    """Compile CPU_SOURCE (unless the cache holds it) and load it; raises with the reason where that fails."""
+    if not sys.platform.startswith("linux"):
+        raise RuntimeError(f"it is built on Linux only, this is {sys.platform}")
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C++ compiler: `{compiler}` is not on PATH (install g++, or set CXX)")
+    from torch.utils import cpp_extension  # noqa: PLC0415  (imported only where a build may run)
+
+    torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    flags = [*CPU_FLAGS, *cpu_arch_flags()]
+    key = hashlib.sha256("\0".join([CPU_SOURCE, *flags, torch.__version__, str(torch.version.git_version),
+                                     version, _cpu_identity()]).encode()).hexdigest()[:16]
+    namespace = f"fiber_bundle_cpu_{key}"  # one per source and machine: copies of the same file share it
+    path = cpu_cache_dir() / f"{namespace}.so"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # built aside, then moved in whole (atomic)
+            source = Path(tmp) / "geodesic_attention.cpp"
+            source.write_text(CPU_SOURCE)
+            command = [compiler, *flags, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+                       f"-DNAMESPACE={namespace}", *(f"-I{p}" for p in cpp_extension.include_paths()), str(source),
+                       "-o", str(Path(tmp) / path.name), f"-L{torch_lib}", "-lc10", "-ltorch_cpu", "-ltorch",
+                       f"-Wl,-rpath,{torch_lib}"]
+            done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+            if done.returncode != 0:
+                raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-400:]}")
+            os.replace(Path(tmp) / path.name, path)
+    torch.ops.load_library(str(path))
+    return getattr(torch.ops, namespace)
+
+
+def _cpp_inputs(query, factors, alpha, bias, key, value, scale):
+    """The operands as the C++ operator takes them: contiguous, in the compute dtype, the scale folded in."""
+    gq, factors_s, half_alpha, lifted = _kernel_operands(query, factors, alpha, scale)
+    compute = gq.dtype
+    operands = [t.contiguous() for t in (gq, factors_s, half_alpha, bias, key.to(compute), value.to(compute))]
+    return operands, lifted
+
+
+def _cpp_forward(query, factors, alpha, bias, key, value, allowed, additive, scale, block_m, block_n):
+    """The C++ forward: output (compute dtype) and log-sum-exp; arguments as ``_forward``'s."""
+    operands, _ = _cpp_inputs(query, factors, alpha, bias, key, value, scale)
+    return tuple(_loaded_cpu_operator().forward(*operands, allowed, additive, block_m, block_n))
+
+
+def _cpp_backward(query, factors_in, alpha, bias, key, value, allowed, additive, out, lse, grad_out, scale, block_m,
+                  block_n):
+    """The C++ backward and the chain rule to the inputs (as ``_backward``): d query, factors, alpha, bias, key,
+    value."""
+    operands, lifted = _cpp_inputs(query, factors_in, alpha, bias, key, value, scale)
+    grad_out = grad_out.to(out.dtype).contiguous()
+    delta = (grad_out * out).sum(-1)  # D_i = dO_i . O_i, (B, Hk, g, q)
+    d_gq, d_factors, d_half, d_bias, d_key, d_value = _loaded_cpu_operator().backward(
+        *operands, allowed, additive, lse.contiguous(), delta, grad_out, block_m, block_n)
+    d_query, d_factors, d_alpha = _operand_grads(query, factors_in, alpha, lifted, scale, d_gq, d_factors, d_half)
+    return d_query, d_factors, d_alpha, d_bias, d_key.to(key.dtype), d_value.to(value.dtype)
+
+
+def _loaded_cpu_operator():
+    ops = cpu_operator()
+    if ops is None:
+        raise RuntimeError(f"The fused C++ geodesic attention cannot run here ({_cpu_operator['why']}): set "
+                           "fiber_attention_kernel='auto' or 'pytorch' (the blocked PyTorch path).")
+    return ops
+
+
+cpp_forward_op, cpp_backward_op = _define_operators(
+    "geodesic_cpp", lambda *args: _cpp_forward(*args), lambda *args: _cpp_backward(*args))
+
+
+def cpp_geodesic_attention(
+    query, factors, key, value, alpha, gamma, scale, attention_mask=None, block_size=64, dropout=None, *, tiles=None
+) -> torch.Tensor:
+    """``blocked_geodesic_attention`` on the fused C++ operator: same arguments, same result (``block_size`` unused:
+    the operator's tiles are ``CPU_TILES`` or ``tiles`` = (query tile, key tile)). CPU tensors; ``dropout`` must be
+    None (the operator has no attention dropout)."""
+    if dropout is not None:
+        raise ValueError("The C++ geodesic attention has no attention dropout: pass dropout=None, or use "
+                         "blocked_geodesic_attention (fiber_attention_kernel='pytorch').")
+    if query.device.type != "cpu":
+        raise ValueError(f"The C++ geodesic attention runs on CPU tensors, got tensors on {query.device}: set "
+                         "fiber_attention_kernel='auto' (Triton on a GPU) or 'pytorch'.")
+    grouped_q, grouped_f, grouped_alpha, bias = prepare_geodesic_inputs(query, factors, key, alpha, gamma, scale)
+    b, hk, g, q_len, d = grouped_q.shape
+    mask = _kernel_mask(attention_mask, q_len, key.shape[2], hk, g, grouped_q.dtype)
+    block_m, block_n = tiles or CPU_TILES
+    out, _ = cpp_forward_op(grouped_q, grouped_f, grouped_alpha, bias, key, value, *mask, scale, block_m, block_n)
+    return out.to(value.dtype).view(b, hk * g, q_len, d)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # The self-check before first use (fiber_attention_kernel="auto"; docs/design.md 1.5)
 # ---------------------------------------------------------------------------------------------------------------------
 # The kernel's tolerance against the blocked path in float64, per input dtype: max |kernel - exact| <= tolerance *
@@ -592,7 +1333,7 @@ def triton_geodesic_attention(
 # test_triton_attention.py) and the self-check both use it. float32 tiles multiply in full precision ("ieee"), so
 # only float32 roundings of sums remain; 16-bit inputs have their pseudo-query tiles and probabilities rounded to the
 # input dtype before their products (8 significant bits in bfloat16, 11 in float16).
-KERNEL_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 4e-2, torch.float16: 1e-2}
+KERNEL_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 4e-2, torch.float16: 1e-2}
 # the self-check's problem: a few hundred tokens, two sequences (one left-padded where the mask allows it), two KV heads
 SELF_CHECK_TOKENS = 256
 MASK_KINDS = ("causal", "none", "boolean", "float")
@@ -612,10 +1353,13 @@ class KernelSignature(NamedTuple):
     shared_factors: bool  # one set of factors per KV group (True) or per query head
     mask: str  # one of MASK_KINDS: "causal" (None, q > 1), "none" (None, one query row), "boolean", "float"
     training: bool  # gradients flow: the backward kernels run too
+    backend: str = "triton"  # "triton" (the Triton kernels) or "cpp" (the C++ operator, on the CPU)
 
     def describe(self) -> str:
         where = "CPU (Triton's interpreter)" if self.capability is None else (
             f"CUDA capability {self.capability[0]}.{self.capability[1]}")
+        if self.backend == "cpp":
+            where = "CPU"
         factors = "factors shared by each KV group" if self.shared_factors else "factors per head"
         return (f"{where}, {str(self.dtype).removeprefix('torch.')}, r={self.rank}, head_dim={self.head_dim}, "
                 f"GQA group {self.group_size} ({factors}), {self.mask} mask, "
@@ -631,12 +1375,13 @@ def mask_kind(attention_mask, q_len) -> str:
     return "float"
 
 
-def kernel_signature(query, factors, key, attention_mask, training: bool) -> tuple:
+def kernel_signature(query, factors, key, attention_mask, training: bool, backend: str = "triton") -> tuple:
     """The arguments of ``kernel_passes_self_check`` for one call (python constants, so that under ``torch.compile``
     the decision is a constant of the graph): query (B, H, q, d), factors (B, Hf, q, r, d), key (B, Hk, kv, d)."""
     heads, kv_heads = query.shape[1], key.shape[1]
     return (query.device.type, query.device.index, query.dtype, factors.shape[-2], query.shape[-1],
-            heads // kv_heads, factors.shape[1] != heads, mask_kind(attention_mask, query.shape[2]), bool(training))
+            heads // kv_heads, factors.shape[1] != heads, mask_kind(attention_mask, query.shape[2]), bool(training),
+            backend)
 
 
 def kernel_tolerances(dtype: torch.dtype, head_dim: int) -> dict[str, float]:
@@ -688,7 +1433,8 @@ def check_kernel(signature: KernelSignature, device: torch.device, tokens: int =
     in float32 (as the model passes them); the blocked path gets the very same values in float64, so the errors are
     the kernel's own rounding. Exceptions of the kernel (a Triton compile error, a launch failure) propagate."""
     exact, allowed = self_check_problem(signature, tokens, seed)
-    low_dtypes = [signature.dtype, torch.float32, signature.dtype, signature.dtype, torch.float32, torch.float32]
+    geometry = torch.promote_types(signature.dtype, torch.float32)  # factors and gates: float32, or float64
+    low_dtypes = [signature.dtype, geometry, signature.dtype, signature.dtype, geometry, geometry]
     training = signature.training
     with torch.autocast(device.type, enabled=False), torch.set_grad_enabled(training):
         inputs = [t.to(device, dtype).requires_grad_(training) for t, dtype in zip(exact, low_dtypes)]
@@ -700,7 +1446,8 @@ def check_kernel(signature: KernelSignature, device: torch.device, tokens: int =
             blocked = ~allowed.to(device)
             reference_mask = kernel_mask.to(torch.float64).masked_fill(blocked, torch.finfo(torch.float64).min)
         scale = signature.head_dim**-0.5
-        out = triton_geodesic_attention(*inputs, scale, kernel_mask)
+        fused = cpp_geodesic_attention if signature.backend == "cpp" else triton_geodesic_attention
+        out = fused(*inputs, scale, kernel_mask)
         ref = blocked_geodesic_attention(*references, scale, reference_mask)
         errors = {"output": relative_error(out, ref)}
         if training:
@@ -720,7 +1467,8 @@ _verdicts: dict[KernelSignature, bool] = {}
 
 @torch.compiler.assume_constant_result
 def kernel_passes_self_check(device_type: str, device_index: int | None, dtype: torch.dtype, rank: int,
-                             head_dim: int, group_size: int, shared_factors: bool, mask: str, training: bool) -> bool:
+                             head_dim: int, group_size: int, shared_factors: bool, mask: str, training: bool,
+                             backend: str = "triton") -> bool:
     """Whether "auto" runs the kernel for this signature (the arguments of ``KernelSignature`` less the capability,
     read here from the device): the first call of a signature runs ``check_kernel`` and remembers its verdict in
     ``_verdicts``; a failure (an error above ``KERNEL_TOLERANCE`` or an exception) warns once and answers False.
@@ -731,7 +1479,9 @@ def kernel_passes_self_check(device_type: str, device_index: int | None, dtype: 
     device = torch.device(device_type, device_index)
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     signature = KernelSignature(device.type, capability, dtype, rank, head_dim, group_size, shared_factors, mask,
-                                training)
+                                training, backend)
+    if backend == "cpp" and cpu_operator() is None:
+        return False  # not built here: ``cpu_operator`` said why, once
     if signature not in _verdicts:
         _verdicts[signature] = _self_check(signature, device)
     return _verdicts[signature]
@@ -742,7 +1492,7 @@ def _self_check(signature: KernelSignature, device: torch.device) -> bool:
     tolerances = kernel_tolerances(signature.dtype, signature.head_dim)
     try:
         errors = check_kernel(signature, device, SELF_CHECK_TOKENS)
-    except Exception as exc:  # noqa: BLE001  a Triton compile error, OutOfResources, a bad launch: fall back safely
+    except Exception as exc:  # noqa: BLE001  a compile error, OutOfResources, a bad launch: fall back safely
         message = " ".join(str(exc).split())
         detail = f"the kernel raised {type(exc).__name__}: {message[:300]}{'...' if len(message) > 300 else ''}"
     else:
@@ -751,17 +1501,19 @@ def _self_check(signature: KernelSignature, device: torch.device) -> bool:
             return True
         detail = (f"its largest relative difference from the blocked PyTorch path is {errors[worst]:.3g} in the "
                   f"{worst if worst == 'output' else worst + ' gradient'} (tolerance {tolerances[worst]:.3g})")
+    name = "C++ operator" if signature.backend == "cpp" else "Triton kernel"
     warnings.warn(
-        f"The fused Triton geodesic attention failed its self-check on {signature.describe()}: {detail}. This process "
-        "uses the blocked PyTorch path (the same function, slower) for that case from now on. Set "
+        f"The fused {name} of the geodesic attention failed its self-check on {signature.describe()}: {detail}. This "
+        "process uses the blocked PyTorch path (the same function, slower) for that case from now on. Set "
         "config.fiber_attention_kernel='pytorch' to use it without the check (and without this warning), or "
-        "fiber_attention_kernel='triton' to force the kernel anyway.",
+        f"fiber_attention_kernel='{signature.backend}' to force it anyway.",
         RuntimeWarning,
         stacklevel=2,
     )
     return False
 
 
-__all__ = ["KERNEL_DTYPES", "KERNEL_TOLERANCE", "OP_NAMESPACE", "KernelSignature", "check_kernel",
-           "geodesic_backward_op", "geodesic_forward_op", "kernel_passes_self_check", "triton_available",
-           "triton_geodesic_attention", "use_triton_kernel"]
+__all__ = ["CPU_KERNEL_DTYPES", "KERNEL_DTYPES", "KERNEL_TOLERANCE", "OP_NAMESPACE", "KernelSignature", "check_kernel",
+           "cpp_backward_op", "cpp_forward_op", "cpp_geodesic_attention", "cpu_operator", "geodesic_backward_op",
+           "geodesic_forward_op", "kernel_passes_self_check", "triton_available", "triton_geodesic_attention",
+           "use_cpp_kernel", "use_triton_kernel"]
