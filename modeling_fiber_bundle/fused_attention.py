@@ -1,8 +1,10 @@
-"""A fused Triton kernel for the blocked geodesic attention (docs/design.md 1.2 and 1.5), forward and backward.
+"""The fused geodesic attention (docs/design.md 1.2 and 1.5), forward and backward: Triton kernels on a GPU and a C++
+operator on the CPU (section "The C++ operator" below), each a pair of PyTorch custom operators of one schema, and the
+self-check that proves either before its first use (the last section).
 
 Same function, arguments and result as ``fiber_attention.blocked_geodesic_attention``; the operands are prepared by
 the same helpers (``prepare_geodesic_inputs``, ``_kernel_operands``, ``_kernel_mask``). Per query tile and key tile the
-forward does, in one kernel, what the blocked path does with separate ops: two matmuls of the key tile with the
+Triton forward does, in one kernel, what the blocked path does with separate ops: two matmuls of the key tile with the
 tile's stacked pseudo-queries -- scale G_i q_i (one row per query) and sqrt(scale) u_i1 .. u_ir (r rows per query),
 i.e. r + 1 query-key products per pair --, the combine lin_ij + bias_j - (alpha/2) sum_a coords_ija^2 (the blocked
 path's ``_block_logits``), the masks, an online softmax and the value product, keeping the log-sum-exp per row (as
@@ -667,10 +669,11 @@ def cpu_arch_flags() -> list[str]:
 CPU_SOURCE = r"""// The fused geodesic attention on the CPU, forward and backward (docs/design.md 1.5). Built by fused_attention.py
 // with the flags of CPU_FLAGS and loaded with torch.ops.load_library; NAMESPACE is defined on the command line.
 //
-// Layout (row-major, contiguous, all in one floating dtype T, float or double): gq (B, Hk, g, q, d) the scaled
-// G_i q_i of each query head; fs (B, Hk, gf, q, r, d) the scaled factors, gf = 1 (shared by a KV group) or g; ha (Hk,
-// g) alpha / 2; bias (B, Hk, g, kv) the key term; key, value (B, Hk, kv, d); the mask parts broadcast to (B, Hk, g,
-// q, kv) by their strides.
+// Layout (row-major, contiguous, all in one floating dtype T, float or double): query (B, Hk, g, q, d) of each query
+// head after RoPE; factors (B, Hk, gf, q, r, d) after RoPE, gf = 1 (shared by a KV group) or g; alpha (Hk, g); bias
+// (B, Hk, g, kv) the key term -scale (gamma/2) ||k_j||^2; key, value (B, Hk, kv, d); the mask parts broadcast to (B,
+// Hk, g, q, kv) by their strides; scale the softmax scale. The operator builds each tile's pseudo-queries itself and
+// returns the gradients of these inputs (the chain rule through G_i q_i included).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -891,15 +894,78 @@ std::vector<int64_t> key_tiles(const Problem& p, const Mask& m, int64_t b, int64
   return tiles;
 }
 
-// The stacked pseudo-queries of a query tile (rows x d): g blocks of bm rows of scale G_i q_i, then gf blocks of
-// bm r factor rows sqrt(scale) u_ia
 template <typename T>
-void gather_rows(const Problem& p, const T* gq, const T* fs, int64_t bh, int64_t i0, int64_t bm, T* rows) {
-  for (int64_t j = 0; j < p.g; ++j)
-    std::memcpy(rows + j * bm * p.d, gq + ((bh * p.g + j) * p.q + i0) * p.d, sizeof(T) * bm * p.d);
-  for (int64_t f = 0; f < p.gf; ++f)
-    std::memcpy(rows + (p.g * bm + f * bm * p.r) * p.d, fs + ((bh * p.gf + f) * p.q + i0) * p.r * p.d,
-                sizeof(T) * bm * p.r * p.d);
+T dot(const T* x, const T* y, int64_t n) {
+  T sum = 0;
+  for (int64_t c = 0; c < n; ++c) sum += x[c] * y[c];
+  return sum;
+}
+
+// The stacked pseudo-queries of a query tile (rows x d): g blocks of bm rows of scale G_i q_i = scale (q_i + alpha
+// sum_a (u_ia . q_i) u_ia), then gf blocks of bm r factor rows sqrt(scale) u_ia. Why here and not in PyTorch: these
+// O(n d r) steps are a few passes over the query that would each be a separate op (and, in a compiled graph, unfused
+// work inside the operator), while here they are done on rows already in cache
+template <typename T>
+void gather_rows(const Problem& p, const T* q, const T* u, const T* alpha, T scale, int64_t bh, int64_t i0,
+                 int64_t bm, T* rows) {
+  const T root = std::sqrt(scale);
+  for (int64_t j = 0; j < p.g; ++j) {
+    const T a = alpha[(bh % p.hk) * p.g + j];
+    for (int64_t i = 0; i < bm; ++i) {
+      const T* qi = q + ((bh * p.g + j) * p.q + i0 + i) * p.d;
+      const T* ui = u + ((bh * p.gf + (p.gf == 1 ? 0 : j)) * p.q + i0 + i) * p.r * p.d;
+      T* row = rows + (j * bm + i) * p.d;
+      for (int64_t c = 0; c < p.d; ++c) row[c] = qi[c];
+      for (int64_t k = 0; k < p.r; ++k) {
+        const T w = a * dot(ui + k * p.d, qi, p.d);
+        for (int64_t c = 0; c < p.d; ++c) row[c] += w * ui[k * p.d + c];
+      }
+      for (int64_t c = 0; c < p.d; ++c) row[c] *= scale;
+    }
+  }
+  for (int64_t f = 0; f < p.gf; ++f) {
+    const T* uf = u + ((bh * p.gf + f) * p.q + i0) * p.r * p.d;
+    T* out = rows + (p.g * bm + f * bm * p.r) * p.d;
+    for (int64_t c = 0; c < bm * p.r * p.d; ++c) out[c] = root * uf[c];
+  }
+}
+
+// The chain rule from the gradients of one query tile's stacked rows (d_rows: d(scale G_i q_i), d(sqrt(scale) u_ia))
+// to the query, the factors and alpha (adds sum_i dG_i . U_i U_i^T q_i to d_alpha). With dG = scale d(scale G q):
+// d q = dG + alpha U (U^T dG) (G is symmetric); d u_a = sqrt(scale) d(row u_a) + alpha ((u_a . q) dG + (u_a . dG) q),
+// summed over the heads that share U.
+template <typename T>
+void scatter_row_grads(const Problem& p, const T* q, const T* u, const T* alpha, T scale, int64_t bh, int64_t i0,
+                       int64_t bm, const T* d_rows, T* d_q, T* d_u, T* d_alpha) {
+  const T root = std::sqrt(scale);
+  std::vector<T> dg(p.d);
+  for (int64_t f = 0; f < p.gf; ++f) {
+    const T* drf = d_rows + (p.g * bm + f * bm * p.r) * p.d;
+    T* duf = d_u + ((bh * p.gf + f) * p.q + i0) * p.r * p.d;
+    for (int64_t c = 0; c < bm * p.r * p.d; ++c) duf[c] = root * drf[c];
+  }
+  for (int64_t j = 0; j < p.g; ++j) {
+    const T a = alpha[(bh % p.hk) * p.g + j];
+    for (int64_t i = 0; i < bm; ++i) {
+      const T* qi = q + ((bh * p.g + j) * p.q + i0 + i) * p.d;
+      const int64_t fi = ((bh * p.gf + (p.gf == 1 ? 0 : j)) * p.q + i0 + i) * p.r * p.d;
+      const T* ui = u + fi;
+      T* dui = d_u + fi;
+      T* dqi = d_q + ((bh * p.g + j) * p.q + i0 + i) * p.d;
+      const T* dr = d_rows + (j * bm + i) * p.d;
+      for (int64_t c = 0; c < p.d; ++c) dg[c] = scale * dr[c];
+      for (int64_t c = 0; c < p.d; ++c) dqi[c] = dg[c];
+      for (int64_t k = 0; k < p.r; ++k) {
+        const T* uk = ui + k * p.d;
+        const T coord = dot(uk, qi, p.d), d_coord = dot(uk, dg.data(), p.d);
+        d_alpha[j] += coord * d_coord;
+        for (int64_t c = 0; c < p.d; ++c) {
+          dqi[c] += a * d_coord * uk[c];
+          dui[k * p.d + c] += a * (coord * dg[c] + d_coord * qi[c]);
+        }
+      }
+    }
+  }
 }
 
 // The logits of one (query tile, key tile), as the blocked path's _block_logits: lin_ij + bias_j - (alpha/2)
@@ -907,8 +973,8 @@ void gather_rows(const Problem& p, const T* gq, const T* fs, int64_t bh, int64_t
 // the products of the stacked rows with the key tile; writes logits (g bm x ldp) and the quadratic terms
 // (gf bm x ldp) into quad.
 template <typename T>
-void tile_logits(const Problem& p, const Mask& m, const T* prods, const T* bias, const T* ha, int64_t bh, int64_t i0,
-                 int64_t bm, int64_t k0, int64_t bn, T* logits, T* quad) {
+void tile_logits(const Problem& p, const Mask& m, const T* prods, const T* bias, const T* alpha, int64_t bh,
+                 int64_t i0, int64_t bm, int64_t k0, int64_t bn, T* logits, T* quad) {
   const int64_t ld = p.bn, b = bh / p.hk, h = bh % p.hk;
   const T* coords = prods + p.g * bm * ld;  // U_i^T k_j: (gf, bm, r) rows
   for (int64_t f = 0; f < p.gf; ++f) {
@@ -922,7 +988,7 @@ void tile_logits(const Problem& p, const Mask& m, const T* prods, const T* bias,
   }
   const T blocked = -std::numeric_limits<T>::infinity(), lowest = std::numeric_limits<T>::lowest();
   for (int64_t j = 0; j < p.g; ++j) {
-    const T half_alpha = ha[h * p.g + j];
+    const T half_alpha = T(0.5) * alpha[h * p.g + j];
     const T* bias_j = bias + (bh * p.g + j) * p.kv + k0;
     for (int64_t i = 0; i < bm; ++i) {
       const T* lin = prods + (j * bm + i) * ld;
@@ -949,7 +1015,7 @@ void tile_logits(const Problem& p, const Mask& m, const T* prods, const T* bias,
 // and the log-sum-exp of each row (+inf for a row with no allowed key, whose output is 0).
 // ---------------------------------------------------------------------------------------------------------------
 template <typename T>
-void forward_tiles(const Problem& p, const Mask& m, const T* gq, const T* fs, const T* ha, const T* bias,
+void forward_tiles(const Problem& p, const Mask& m, const T* q, const T* u, const T* alpha, T scale, const T* bias,
                    const T* key_t, const T* value, T* out, T* lse) {
   const int64_t n_q = (p.q + p.bm - 1) / p.bm, max_rows = p.g * p.bm + p.gf * p.bm * p.r;
   constexpr T none = -std::numeric_limits<T>::infinity();
@@ -958,14 +1024,14 @@ void forward_tiles(const Problem& p, const Mask& m, const T* gq, const T* fs, co
     const int64_t i0 = t * p.bm, bm = std::min(p.bm, p.q - i0), n_rows = p.g * bm + p.gf * bm * p.r;
     std::vector<T> rows(max_rows * p.d), prods(max_rows * p.bn), probs(p.g * p.bm * p.bn), quad(p.gf * p.bm * p.bn);
     std::vector<T> acc(p.g * bm * p.d, T(0)), run_max(p.g * bm, none), run_sum(p.g * bm, T(0));
-    gather_rows(p, gq, fs, bh, i0, bm, rows.data());
+    gather_rows(p, q, u, alpha, scale, bh, i0, bm, rows.data());
     const T* kt = key_t + bh * p.d * p.kv;  // keys transposed: (d, kv)
     const T* v = value + bh * p.kv * p.d;
     for (int64_t tile : key_tiles(p, m, bh / p.hk, bh % p.hk, i0, i0 + bm)) {
       const int64_t k0 = tile * p.bn, bn = std::min(p.bn, p.kv - k0);
       // (rows x d) @ (d x bn): every pseudo-query with every key of the tile, r + 1 products per (query, key)
       tile_product<T>(n_rows, bn, p.d, rows.data(), p.d, 1, kt + k0, p.kv, prods.data(), p.bn, false);
-      tile_logits<T>(p, m, prods.data(), bias, ha, bh, i0, bm, k0, bn, probs.data(), quad.data());
+      tile_logits<T>(p, m, prods.data(), bias, alpha, bh, i0, bm, k0, bn, probs.data(), quad.data());
       for (int64_t row = 0; row < p.g * bm; ++row) {
         T* l = probs.data() + row * p.bn;
         const T new_max = std::max(run_max[row], row_max(l, bn));
@@ -999,14 +1065,15 @@ void forward_tiles(const Problem& p, const Mask& m, const T* gq, const T* fs, co
 // no two threads write the same memory. The query-side gradients of a tile (d rows) are its own.
 // ---------------------------------------------------------------------------------------------------------------
 template <typename T>
-void backward_tiles(const Problem& p, const Mask& m, const T* gq, const T* fs, const T* ha, const T* bias,
-                    const T* key, const T* key_t, const T* value_t, const T* lse, const T* delta, const T* grad_out,
-                    T* d_gq, T* d_fs, T* d_ha, T* d_bias, T* d_key, T* d_value, int64_t chunks) {
+void backward_tiles(const Problem& p, const Mask& m, const T* q, const T* u, const T* alpha, T scale, const T* bias,
+                    const T* key, const T* key_t, const T* value_t, const T* out, const T* lse, const T* grad_out,
+                    T* d_q, T* d_u, T* d_alpha, T* d_bias, T* d_key, T* d_value, int64_t chunks) {
   const int64_t n_q = (p.q + p.bm - 1) / p.bm, max_rows = p.g * p.bm + p.gf * p.bm * p.r;
   parallel_items(p.b * p.hk * chunks, [&](int64_t item) {
     const int64_t c = item % chunks, bh = item / chunks;
     std::vector<T> rows(max_rows * p.d), prods(max_rows * p.bn), probs(p.g * p.bm * p.bn), quad(p.gf * p.bm * p.bn);
-    std::vector<T> d_out(p.g * p.bm * p.d), d_probs(p.g * p.bm * p.bn), d_rows(max_rows * p.d), d_half(p.g, T(0));
+    std::vector<T> d_out(p.g * p.bm * p.d), d_probs(p.g * p.bm * p.bn), d_rows(max_rows * p.d), delta(p.g * p.bm);
+    std::vector<T> d_half(p.g, T(0)), d_lift(p.g, T(0));  // d(alpha/2) from the scores, d alpha from G q
     const T* k = key + bh * p.kv * p.d;
     const T* kt = key_t + bh * p.d * p.kv;
     const T* vt = value_t + bh * p.d * p.kv;
@@ -1015,14 +1082,18 @@ void backward_tiles(const Problem& p, const Mask& m, const T* gq, const T* fs, c
     T* db = d_bias + (c * p.b * p.hk + bh) * p.g * p.kv;
     for (int64_t t = n_q - 1 - c; t >= 0; t -= chunks) {  // this chunk's query tiles, interleaved with the others'
       const int64_t i0 = t * p.bm, bm = std::min(p.bm, p.q - i0), n_rows = p.g * bm + p.gf * bm * p.r;
-      gather_rows(p, gq, fs, bh, i0, bm, rows.data());
-      for (int64_t j = 0; j < p.g; ++j)
-        std::memcpy(d_out.data() + j * bm * p.d, grad_out + ((bh * p.g + j) * p.q + i0) * p.d, sizeof(T) * bm * p.d);
+      gather_rows(p, q, u, alpha, scale, bh, i0, bm, rows.data());
+      for (int64_t j = 0; j < p.g; ++j) {
+        const int64_t o = ((bh * p.g + j) * p.q + i0) * p.d;
+        std::memcpy(d_out.data() + j * bm * p.d, grad_out + o, sizeof(T) * bm * p.d);
+        for (int64_t i = 0; i < bm; ++i)  // D_i = dO_i . O_i, the softmax backward's row term
+          delta[j * bm + i] = dot(grad_out + o + i * p.d, out + o + i * p.d, p.d);
+      }
       std::fill(d_rows.begin(), d_rows.begin() + n_rows * p.d, T(0));
       for (int64_t tile : key_tiles(p, m, bh / p.hk, bh % p.hk, i0, i0 + bm)) {
         const int64_t k0 = tile * p.bn, bn = std::min(p.bn, p.kv - k0);
         tile_product<T>(n_rows, bn, p.d, rows.data(), p.d, 1, kt + k0, p.kv, prods.data(), p.bn, false);
-        tile_logits<T>(p, m, prods.data(), bias, ha, bh, i0, bm, k0, bn, probs.data(), quad.data());
+        tile_logits<T>(p, m, prods.data(), bias, alpha, bh, i0, bm, k0, bn, probs.data(), quad.data());
         for (int64_t j = 0; j < p.g; ++j) {
           for (int64_t i = 0; i < bm; ++i) {
             const T row_lse = lse[(bh * p.g + j) * p.q + i0 + i];
@@ -1043,7 +1114,7 @@ void backward_tiles(const Problem& p, const Mask& m, const T* gq, const T* fs, c
           T* dbj = db + j * p.kv + k0;
           T gate = 0;
           for (int64_t i = 0; i < bm; ++i) {
-            const T dl = delta[(bh * p.g + j) * p.q + i0 + i];
+            const T dl = delta[j * bm + i];
             const T* pr = probs.data() + (j * bm + i) * p.bn;
             const T* dp = d_probs.data() + (j * bm + i) * p.bn;
             const T* qd = quad.data() + ((p.gf == 1 ? 0 : j) * bm + i) * p.bn;
@@ -1064,9 +1135,9 @@ void backward_tiles(const Problem& p, const Mask& m, const T* gq, const T* fs, c
             T* w = quad.data() + (f * bm + i) * p.bn;
             std::fill(w, w + bn, T(0));
             for (int64_t j = (p.gf == 1 ? 0 : f); j < (p.gf == 1 ? p.g : f + 1); ++j) {
-              const T scale = T(-2) * ha[(bh % p.hk) * p.g + j];
+              const T weight = -alpha[(bh % p.hk) * p.g + j];  // -2 (alpha/2)
               const T* ds = d_logits + (j * bm + i) * p.bn;
-              for (int64_t kk = 0; kk < bn; ++kk) w[kk] += scale * ds[kk];
+              for (int64_t kk = 0; kk < bn; ++kk) w[kk] += weight * ds[kk];
             }
             for (int64_t a = 0; a < p.r; ++a) {
               T* ca = coords + ((f * bm + i) * p.r + a) * p.bn;
@@ -1078,34 +1149,30 @@ void backward_tiles(const Problem& p, const Mask& m, const T* gq, const T* fs, c
         tile_product<T>(n_rows, p.d, bn, prods.data(), p.bn, 1, k + k0 * p.d, p.d, d_rows.data(), p.d, true);
         tile_product<T>(bn, p.d, n_rows, prods.data(), 1, p.bn, rows.data(), p.d, dk + k0 * p.d, p.d, true);
       }
-      for (int64_t j = 0; j < p.g; ++j)
-        std::memcpy(d_gq + ((bh * p.g + j) * p.q + i0) * p.d, d_rows.data() + j * bm * p.d, sizeof(T) * bm * p.d);
-      for (int64_t f = 0; f < p.gf; ++f)
-        std::memcpy(d_fs + ((bh * p.gf + f) * p.q + i0) * p.r * p.d, d_rows.data() + (p.g * bm + f * bm * p.r) * p.d,
-                    sizeof(T) * bm * p.r * p.d);
+      scatter_row_grads(p, q, u, alpha, scale, bh, i0, bm, d_rows.data(), d_q, d_u, d_lift.data());
     }
-    for (int64_t j = 0; j < p.g; ++j) d_ha[(bh * chunks + c) * p.g + j] = d_half[j];
+    for (int64_t j = 0; j < p.g; ++j) d_alpha[(bh * chunks + c) * p.g + j] = T(0.5) * d_half[j] + d_lift[j];
   });
 }
 
 // ---------------------------------------------------------------------------------------------------------------
 // The operators
 // ---------------------------------------------------------------------------------------------------------------
-Problem read_problem(const Tensor& gq, const Tensor& fs, const Tensor& ha, const Tensor& bias, const Tensor& key,
+Problem read_problem(const Tensor& q, const Tensor& u, const Tensor& alpha, const Tensor& bias, const Tensor& key,
                      const Tensor& value, int64_t bm, int64_t bn) {
-  TORCH_CHECK(gq.dim() == 5 && fs.dim() == 6 && key.dim() == 4 && value.dim() == 4,
+  TORCH_CHECK(q.dim() == 5 && u.dim() == 6 && key.dim() == 4 && value.dim() == 4,
               "geodesic attention (CPU): expected query (B, Hk, g, q, d), factors (B, Hk, gf, q, r, d), key and value "
               "(B, Hk, kv, d)");
-  Problem p{gq.size(0), gq.size(1), gq.size(2), fs.size(2), gq.size(3), key.size(2), fs.size(4), gq.size(4), bm, bn};
+  Problem p{q.size(0), q.size(1), q.size(2), u.size(2), q.size(3), key.size(2), u.size(4), q.size(4), bm, bn};
   TORCH_CHECK(p.gf == 1 || p.gf == p.g, "geodesic attention (CPU): factors per KV group or per query head");
   TORCH_CHECK(bm > 0 && bn > 0, "geodesic attention (CPU): tiles must be positive");
-  for (const Tensor* t : {&gq, &fs, &ha, &bias, &key, &value}) {
-    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->scalar_type() == gq.scalar_type(),
+  for (const Tensor* t : {&q, &u, &alpha, &bias, &key, &value}) {
+    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->scalar_type() == q.scalar_type(),
                 "geodesic attention (CPU): contiguous CPU tensors of one dtype (float32 or float64) expected");
   }
   TORCH_CHECK(key.size(0) == p.b && key.size(1) == p.hk && key.size(3) == p.d && value.sizes() == key.sizes() &&
-                  fs.size(0) == p.b && fs.size(1) == p.hk && fs.size(3) == p.q && fs.size(5) == p.d &&
-                  ha.numel() == p.hk * p.g && bias.numel() == p.b * p.hk * p.g * p.kv,
+                  u.size(0) == p.b && u.size(1) == p.hk && u.size(3) == p.q && u.size(5) == p.d &&
+                  alpha.numel() == p.hk * p.g && bias.numel() == p.b * p.hk * p.g * p.kv,
               "geodesic attention (CPU): inconsistent shapes");
   return p;
 }
@@ -1131,64 +1198,69 @@ Mask read_mask(const std::optional<Tensor>& allowed, const std::optional<Tensor>
   return m;
 }
 
-std::tuple<Tensor, Tensor> geodesic_forward(const Tensor& gq, const Tensor& fs, const Tensor& ha, const Tensor& bias,
-                                            const Tensor& key, const Tensor& value,
+std::tuple<Tensor, Tensor> geodesic_forward(const Tensor& query, const Tensor& factors, const Tensor& alpha,
+                                            const Tensor& bias, const Tensor& key, const Tensor& value,
                                             const std::optional<Tensor>& allowed,
-                                            const std::optional<Tensor>& additive, int64_t bm, int64_t bn) {
-  const Problem p = read_problem(gq, fs, ha, bias, key, value, bm, bn);
+                                            const std::optional<Tensor>& additive, double scale, int64_t bm,
+                                            int64_t bn) {
+  const Problem p = read_problem(query, factors, alpha, bias, key, value, bm, bn);
   std::vector<Tensor> keep;
-  const Mask m = read_mask(allowed, additive, p, gq.scalar_type(), keep);
-  Tensor out = at::empty(gq.sizes(), gq.options());
-  Tensor lse = at::empty({p.b, p.hk, p.g, p.q}, gq.options());
+  const Mask m = read_mask(allowed, additive, p, query.scalar_type(), keep);
+  Tensor out = at::empty(query.sizes(), query.options());
+  Tensor lse = at::empty({p.b, p.hk, p.g, p.q}, query.options());
   Tensor key_t = key.transpose(2, 3).contiguous();  // (B, Hk, d, kv): a key tile's columns are contiguous rows
-  AT_DISPATCH_FLOATING_TYPES(gq.scalar_type(), "geodesic_forward", [&] {
-    forward_tiles<scalar_t>(p, m, gq.data_ptr<scalar_t>(), fs.data_ptr<scalar_t>(), ha.data_ptr<scalar_t>(),
-                            bias.data_ptr<scalar_t>(), key_t.data_ptr<scalar_t>(), value.data_ptr<scalar_t>(),
-                            out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>());
+  AT_DISPATCH_FLOATING_TYPES(query.scalar_type(), "geodesic_forward", [&] {
+    forward_tiles<scalar_t>(p, m, query.data_ptr<scalar_t>(), factors.data_ptr<scalar_t>(),
+                            alpha.data_ptr<scalar_t>(), scalar_t(scale), bias.data_ptr<scalar_t>(),
+                            key_t.data_ptr<scalar_t>(), value.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                            lse.data_ptr<scalar_t>());
   });
   return {out, lse};
 }
 
-std::vector<Tensor> geodesic_backward(const Tensor& gq, const Tensor& fs, const Tensor& ha, const Tensor& bias,
-                                      const Tensor& key, const Tensor& value, const std::optional<Tensor>& allowed,
-                                      const std::optional<Tensor>& additive, const Tensor& lse, const Tensor& delta,
-                                      const Tensor& grad_out, int64_t bm, int64_t bn) {
-  const Problem p = read_problem(gq, fs, ha, bias, key, value, bm, bn);
+std::vector<Tensor> geodesic_backward(const Tensor& query, const Tensor& factors, const Tensor& alpha,
+                                      const Tensor& bias, const Tensor& key, const Tensor& value,
+                                      const std::optional<Tensor>& allowed, const std::optional<Tensor>& additive,
+                                      const Tensor& out, const Tensor& lse, const Tensor& grad_out, double scale,
+                                      int64_t bm, int64_t bn) {
+  const Problem p = read_problem(query, factors, alpha, bias, key, value, bm, bn);
   std::vector<Tensor> keep;
-  const Mask m = read_mask(allowed, additive, p, gq.scalar_type(), keep);
-  for (const Tensor* t : {&lse, &delta, &grad_out}) {
-    TORCH_CHECK(t->is_contiguous() && t->scalar_type() == gq.scalar_type(),
-                "geodesic attention (CPU): lse, delta and grad_out contiguous in the compute dtype");
+  const Mask m = read_mask(allowed, additive, p, query.scalar_type(), keep);
+  for (const Tensor* t : {&out, &lse, &grad_out}) {
+    TORCH_CHECK(t->is_contiguous() && t->scalar_type() == query.scalar_type(),
+                "geodesic attention (CPU): out, lse and grad_out contiguous in the compute dtype");
   }
   const int64_t n_q = (p.q + p.bm - 1) / p.bm, groups = p.b * p.hk;
   // chunks of query tiles per KV group: enough work items for every thread twice over, at most one per tile
   const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(n_q, (2 * at::get_num_threads() + groups - 1) / groups));
-  Tensor d_gq = at::empty(gq.sizes(), gq.options());
-  Tensor d_fs = at::empty(fs.sizes(), fs.options());
-  Tensor d_ha = at::empty({p.b, p.hk, chunks, p.g}, gq.options());
-  Tensor d_bias = at::zeros({chunks, p.b, p.hk, p.g, p.kv}, gq.options());
-  Tensor d_key = at::zeros({chunks, p.b, p.hk, p.kv, p.d}, gq.options());
-  Tensor d_value = at::zeros({chunks, p.b, p.hk, p.kv, p.d}, gq.options());
+  Tensor d_query = at::empty(query.sizes(), query.options());
+  Tensor d_factors = at::empty(factors.sizes(), factors.options());
+  Tensor d_alpha = at::empty({p.b, p.hk, chunks, p.g}, query.options());
+  Tensor d_bias = at::zeros({chunks, p.b, p.hk, p.g, p.kv}, query.options());
+  Tensor d_key = at::zeros({chunks, p.b, p.hk, p.kv, p.d}, query.options());
+  Tensor d_value = at::zeros({chunks, p.b, p.hk, p.kv, p.d}, query.options());
   Tensor key_t = key.transpose(2, 3).contiguous(), value_t = value.transpose(2, 3).contiguous();
-  AT_DISPATCH_FLOATING_TYPES(gq.scalar_type(), "geodesic_backward", [&] {
+  AT_DISPATCH_FLOATING_TYPES(query.scalar_type(), "geodesic_backward", [&] {
     backward_tiles<scalar_t>(
-        p, m, gq.data_ptr<scalar_t>(), fs.data_ptr<scalar_t>(), ha.data_ptr<scalar_t>(), bias.data_ptr<scalar_t>(),
-        key.data_ptr<scalar_t>(), key_t.data_ptr<scalar_t>(), value_t.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(),
-        delta.data_ptr<scalar_t>(), grad_out.data_ptr<scalar_t>(), d_gq.data_ptr<scalar_t>(),
-        d_fs.data_ptr<scalar_t>(), d_ha.data_ptr<scalar_t>(), d_bias.data_ptr<scalar_t>(),
-        d_key.data_ptr<scalar_t>(), d_value.data_ptr<scalar_t>(), chunks);
+        p, m, query.data_ptr<scalar_t>(), factors.data_ptr<scalar_t>(), alpha.data_ptr<scalar_t>(),
+        scalar_t(scale), bias.data_ptr<scalar_t>(), key.data_ptr<scalar_t>(), key_t.data_ptr<scalar_t>(),
+        value_t.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(),
+        grad_out.data_ptr<scalar_t>(), d_query.data_ptr<scalar_t>(), d_factors.data_ptr<scalar_t>(),
+        d_alpha.data_ptr<scalar_t>(), d_bias.data_ptr<scalar_t>(), d_key.data_ptr<scalar_t>(),
+        d_value.data_ptr<scalar_t>(), chunks);
   });
-  // per chunk -> summed: d(alpha/2) (Hk, g), d bias (B, Hk, g, kv), dK and dV (B, Hk, kv, d)
-  return {d_gq, d_fs, d_ha.sum({0, 2}), d_bias.sum(0), d_key.sum(0), d_value.sum(0)};
+  // per chunk -> summed: d alpha (Hk, g), d bias (B, Hk, g, kv), dK and dV (B, Hk, kv, d)
+  return {d_query, d_factors, d_alpha.sum({0, 2}), d_bias.sum(0), d_key.sum(0), d_value.sum(0)};
 }
 
 }  // namespace
 
 TORCH_LIBRARY(NAMESPACE, lib) {
-  lib.def("forward(Tensor gq, Tensor fs, Tensor ha, Tensor bias, Tensor key, Tensor value, Tensor? allowed, "
-          "Tensor? additive, int bm, int bn) -> (Tensor, Tensor)");
-  lib.def("backward(Tensor gq, Tensor fs, Tensor ha, Tensor bias, Tensor key, Tensor value, Tensor? allowed, "
-          "Tensor? additive, Tensor lse, Tensor delta, Tensor grad_out, int bm, int bn) -> Tensor[]");
+  lib.def("forward(Tensor query, Tensor factors, Tensor alpha, Tensor bias, Tensor key, Tensor value, "
+          "Tensor? allowed, Tensor? additive, float scale, int bm, int bn) -> (Tensor, Tensor)");
+  lib.def("backward(Tensor query, Tensor factors, Tensor alpha, Tensor bias, Tensor key, Tensor value, "
+          "Tensor? allowed, Tensor? additive, Tensor out, Tensor lse, Tensor grad_out, float scale, int bm, "
+          "int bn) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(NAMESPACE, CPU, lib) {
@@ -1266,30 +1338,28 @@ def _build_cpu_operator():
     return getattr(torch.ops, namespace)
 
 
-def _cpp_inputs(query, factors, alpha, bias, key, value, scale):
-    """The operands as the C++ operator takes them: contiguous, in the compute dtype, the scale folded in."""
-    gq, factors_s, half_alpha, lifted = _kernel_operands(query, factors, alpha, scale)
-    compute = gq.dtype
-    operands = [t.contiguous() for t in (gq, factors_s, half_alpha, bias, key.to(compute), value.to(compute))]
-    return operands, lifted
+def _cpp_operands(query, factors, alpha, bias, key, value) -> list:
+    """The operands as the C++ operator takes them: contiguous, in the compute dtype (the grouped query, factors and
+    alpha already are: ``prepare_geodesic_inputs``)."""
+    compute = query.dtype
+    return [t.contiguous() for t in (query, factors, alpha, bias, key.to(compute), value.to(compute))]
 
 
 def _cpp_forward(query, factors, alpha, bias, key, value, allowed, additive, scale, block_m, block_n):
-    """The C++ forward: output (compute dtype) and log-sum-exp; arguments as ``_forward``'s."""
-    operands, _ = _cpp_inputs(query, factors, alpha, bias, key, value, scale)
-    return tuple(_loaded_cpu_operator().forward(*operands, allowed, additive, block_m, block_n))
+    """The C++ forward: output (compute dtype) and log-sum-exp; arguments as ``_forward``'s. The operator builds
+    scale G_i q_i and sqrt(scale) U_i itself, row by row."""
+    operands = _cpp_operands(query, factors, alpha, bias, key, value)
+    return tuple(_loaded_cpu_operator().forward(*operands, allowed, additive, scale, block_m, block_n))
 
 
-def _cpp_backward(query, factors_in, alpha, bias, key, value, allowed, additive, out, lse, grad_out, scale, block_m,
+def _cpp_backward(query, factors, alpha, bias, key, value, allowed, additive, out, lse, grad_out, scale, block_m,
                   block_n):
-    """The C++ backward and the chain rule to the inputs (as ``_backward``): d query, factors, alpha, bias, key,
+    """The C++ backward, the chain rule to the query, factors and alpha included: d query, factors, alpha, bias, key,
     value."""
-    operands, lifted = _cpp_inputs(query, factors_in, alpha, bias, key, value, scale)
-    grad_out = grad_out.to(out.dtype).contiguous()
-    delta = (grad_out * out).sum(-1)  # D_i = dO_i . O_i, (B, Hk, g, q)
-    d_gq, d_factors, d_half, d_bias, d_key, d_value = _loaded_cpu_operator().backward(
-        *operands, allowed, additive, lse.contiguous(), delta, grad_out, block_m, block_n)
-    d_query, d_factors, d_alpha = _operand_grads(query, factors_in, alpha, lifted, scale, d_gq, d_factors, d_half)
+    operands = _cpp_operands(query, factors, alpha, bias, key, value)
+    grads = _loaded_cpu_operator().backward(*operands, allowed, additive, out.contiguous(), lse.contiguous(),
+                                            grad_out.to(out.dtype).contiguous(), scale, block_m, block_n)
+    d_query, d_factors, d_alpha, d_bias, d_key, d_value = grads
     return d_query, d_factors, d_alpha, d_bias, d_key.to(key.dtype), d_value.to(value.dtype)
 
 
