@@ -53,8 +53,12 @@ def test_two_process_fsdp2_matches_one_process(tmp_path):
                 assert param.grad.abs().max() > 0, f"{name}: no gradient in one process either"
         optimizer.step()
     torch.testing.assert_close(out["losses"], torch.stack(losses), rtol=1e-6, atol=1e-6)
+    # atol: the gradients above are the strict check; after three AdamW steps an element whose gradient is near 0 has
+    # its float32 rounding (two ranks' sums against one process's) scaled up by AdamW's per-element normalisation, by
+    # up to ~lr a step: seen 1.3e-5 on one weight of 4096 with the fused C++ attention (the same test on the DeepSpeed
+    # path: tests/test_deepspeed.py); a wrong shard or optimiser state differs by ~lr = 1e-2
     for name, param in model.named_parameters():
-        torch.testing.assert_close(out["weights"][name], param.detach(), rtol=1e-4, atol=1e-5,
+        torch.testing.assert_close(out["weights"][name], param.detach(), rtol=1e-4, atol=1e-4,
                                    msg=lambda m: f"{name}: {m}")
     for name, (trained, restored) in out["resumed"].items():
         torch.testing.assert_close(restored, trained, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
