@@ -478,12 +478,19 @@ def _operand_grads(query, factors_in, alpha, lifted, scale, d_gq, d_factors, d_h
     return d_query, d_factors, d_alpha
 
 
-def prepare_geodesic_inputs(query, factors, key, alpha, gamma, scale):
+def key_norms(key: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """||k_j||^2 of every key in ``dtype``: key (B, Hk, kv, d) -> (B, Hk, kv). The one definition of the key term's norms,
+    whether computed at each call or once per key as it enters a cache (``update_cache`` in the modeling file)."""
+    return key.to(dtype).pow(2).sum(-1)
+
+
+def prepare_geodesic_inputs(query, factors, key, alpha, gamma, scale, key_sq=None):
     """The O(n d r) inputs of the blocked kernel, grouped by KV head, in the compute dtype (at least float32).
 
     query (B, H, q, d) after RoPE; factors (B, Hf, q, r, d) after RoPE, Hf = H (per head) or Hk (shared by each KV
-    group); key (B, Hk, kv, d); alpha, gamma (H,). Returns query (B, Hk, g, q, d), factors (B, Hk, gf, q, r, d),
-    alpha (Hk, g) and the key term -scale (gamma/2) ||k_j||^2 (B, Hk, g, kv).
+    group); key (B, Hk, kv, d); alpha, gamma (H,); key_sq the keys' ``key_norms`` where a cache keeps them (no autograd
+    through them), else None. Returns query (B, Hk, g, q, d), factors (B, Hk, gf, q, r, d), alpha (Hk, g) and the key
+    term -scale (gamma/2) ||k_j||^2 (B, Hk, g, kv).
     """
     b, h, q_len, d = query.shape
     hk = key.shape[1]
@@ -492,7 +499,8 @@ def prepare_geodesic_inputs(query, factors, key, alpha, gamma, scale):
     grouped_q = query.to(compute).view(b, hk, g, q_len, d)  # heads h = kv_head * g + j, as repeat_kv orders them
     grouped_f = factors.to(compute).view(b, hk, gf, q_len, factors.shape[-2], d)
     # -(gamma/2)||k_j||^2 per query head: (B, Hk, 1, kv) * (Hk, g) -> (B, Hk, g, kv)
-    bias = (-0.5 * scale) * key.to(compute).pow(2).sum(-1)[:, :, None, :] * gamma.to(compute).view(1, hk, g, 1)
+    key_sq = key_norms(key, compute) if key_sq is None else key_sq.to(compute)  # (B, Hk, kv)
+    bias = (-0.5 * scale) * key_sq[:, :, None, :] * gamma.to(compute).view(1, hk, g, 1)
     return grouped_q, grouped_f, alpha.to(compute).view(hk, g), bias
 
 
@@ -502,11 +510,13 @@ def _kernel_mask(attention_mask, q_len, kv_len, hk, g, compute) -> MaskTerms:
     return mask if mask.additive is None else mask._replace(additive=mask.additive.to(compute))
 
 
-def geodesic_decode_step(query, factors, key, value, alpha, gamma, scale, attention_mask=None) -> torch.Tensor:
+def geodesic_decode_step(query, factors, key, value, alpha, gamma, scale, attention_mask=None,
+                         key_sq=None) -> torch.Tensor:
     """One new token against the cache, without autograd: the blocked forward's scores for a single query row in the
     fewest ops (decoding is bound by the number of ops, not by flops), and none of the blocked loop's bookkeeping.
 
-    query (B, H, 1, d) after RoPE; factors (B, Hf, 1, r, d) after RoPE; key, value (B, Hk, kv, d); alpha, gamma (H,).
+    query (B, H, 1, d) after RoPE; factors (B, Hf, 1, r, d) after RoPE; key, value (B, Hk, kv, d); alpha, gamma (H,);
+    key_sq the cached keys' ``key_norms`` (B, Hk, kv) where the cache keeps them, else None (computed here).
     Returns (B, H, 1, d) in value's dtype.
     """
     b, h, _, d = query.shape
@@ -529,7 +539,7 @@ def geodesic_decode_step(query, factors, key, value, alpha, gamma, scale, attent
     prods = torch.bmm(rows, keys.reshape(b * hk, kv_len, d).transpose(1, 2)).view(b, hk, g + gf * r, kv_len)
     coords = prods[:, :, g:].view(b, hk, gf, r, kv_len)  # U_i^T k_j
     # scale [(G q).k - (gamma/2)||k||^2 - (alpha/2)||U^T k||^2]: the two quadratic terms as two fused multiply-adds
-    key_sq = torch.linalg.vector_norm(keys, dim=-1).square_().unsqueeze(2)  # ||k_j||^2: (B, Hk, 1, kv)
+    key_sq = (key_norms(keys, compute) if key_sq is None else key_sq.to(compute)).unsqueeze(2)  # (B, Hk, 1, kv)
     logits = torch.addcmul(prods[:, :, :g], gamma.to(compute).view(hk, g, 1), key_sq, value=-0.5 * scale)
     logits.addcmul_(a, coords.square().sum(3), value=-0.5 * scale)  # a shared group's quadratic broadcasts over g
     logits = logits.view(b, hk, g, 1, kv_len)
@@ -550,18 +560,23 @@ def gradients_flow(*tensors: torch.Tensor) -> bool:
 
 
 def blocked_geodesic_attention(
-    query, factors, key, value, alpha, gamma, scale, attention_mask=None, block_size=64, dropout: Dropout | None = None
+    query, factors, key, value, alpha, gamma, scale, attention_mask=None, block_size=64, dropout: Dropout | None = None,
+    *, key_sq=None,
 ) -> torch.Tensor:
     """The default path: same function as ``reference_geodesic_attention``, extra memory O(n * block).
 
     query (B, H, q, d) after RoPE; factors (B, Hf, q, r, d) after RoPE, Hf = H (per head) or Hk (shared by each KV
-    group); key, value (B, Hk, kv, d) (not repeated); alpha, gamma (H,); dropout from ``draw_dropout``. Returns the
-    attention output (B, H, q, d) in value's dtype.
+    group); key, value (B, Hk, kv, d) (not repeated); alpha, gamma (H,); dropout from ``draw_dropout``; key_sq the keys'
+    ``key_norms`` where a cache keeps them (inference only), else None. Returns the attention output (B, H, q, d) in
+    value's dtype.
     """
     training = gradients_flow(query, factors, key, value, alpha, gamma)
+    if training:
+        key_sq = None  # the key term's gradient flows through ||k_j||^2
     if query.shape[2] == 1 and dropout is None and not training:
-        return geodesic_decode_step(query, factors, key, value, alpha, gamma, scale, attention_mask)
-    grouped_q, grouped_f, grouped_alpha, bias = prepare_geodesic_inputs(query, factors, key, alpha, gamma, scale)
+        return geodesic_decode_step(query, factors, key, value, alpha, gamma, scale, attention_mask, key_sq)
+    grouped_q, grouped_f, grouped_alpha, bias = prepare_geodesic_inputs(query, factors, key, alpha, gamma, scale,
+                                                                        key_sq)
     b, hk, g, q_len, d = grouped_q.shape
     mask = _kernel_mask(attention_mask, q_len, key.shape[2], hk, g, grouped_q.dtype)
     if training:

@@ -42,8 +42,10 @@ from .fiber_attention import (
     _operand_grads,
     blocked_geodesic_attention,
     bounded_factors,
+    compute_dtype,
     gradients_flow,
     prepare_geodesic_inputs,
+    woodbury_precondition,
 )
 
 try:  # optional: nothing below needs Triton unless the kernel runs
@@ -119,10 +121,10 @@ def use_cpp_kernel(kernel: str, query: torch.Tensor, dropout: float, factors: to
     """Whether the default (blocked) branch of ``geodesic_attention_forward`` runs the fused C++ operator.
 
     "pytorch" and "triton" never; "cpp" always, or a clear error where it cannot run (tensors not on the CPU,
-    attention dropout); "auto" for CPU tensors of ``CPU_KERNEL_DTYPES`` without attention dropout, except a one-token
-    step in inference (``geodesic_decode_step`` is shorter there), once the operator has been built here and has
-    passed its self-check on this call's signature (``kernel_passes_self_check``). Arguments as
-    ``use_triton_kernel``'s.
+    attention dropout); "auto" for CPU tensors of ``CPU_KERNEL_DTYPES`` without attention dropout (the one-token step
+    in inference too, by the operator's ``decode``, except under torch.compile, where that step stays the traced
+    ``geodesic_decode_step``), once the operator has been built here and has passed its self-check on this call's
+    signature (``kernel_passes_self_check``). Arguments as ``use_triton_kernel``'s.
     """
     if kernel in ("pytorch", "triton"):
         return False
@@ -137,8 +139,8 @@ def use_cpp_kernel(kernel: str, query: torch.Tensor, dropout: float, factors: to
     if query.device.type != "cpu" or auto_device(query) or query.dtype not in CPU_KERNEL_DTYPES or dropout > 0:
         return False  # (auto_device: where the tests let Triton's interpreter stand in for a GPU, Triton is the one)
     training = gradients_flow(query, factors, key, *others)
-    if query.shape[2] == 1 and not training:
-        return False
+    if query.shape[2] == 1 and not training and torch.compiler.is_compiling():
+        return False  # a compiled one-token step: inductor fuses geodesic_decode_step's few ops into the graph
     return kernel_passes_self_check(*kernel_signature(query, factors, key, attention_mask, training, "cpp"))
 
 
@@ -617,7 +619,8 @@ if triton is not None:
 
 
 def triton_geodesic_attention(
-    query, factors, key, value, alpha, gamma, scale, attention_mask=None, block_size=64, dropout=None, *, tiles=None
+    query, factors, key, value, alpha, gamma, scale, attention_mask=None, block_size=64, dropout=None, *, tiles=None,
+    key_sq=None,
 ) -> torch.Tensor:
     """``blocked_geodesic_attention`` on the fused Triton kernels: same arguments, same result.
 
@@ -631,7 +634,10 @@ def triton_geodesic_attention(
         raise ValueError("The Triton geodesic attention has no attention dropout: pass dropout=None, or use "
                          "blocked_geodesic_attention (fiber_attention_kernel='pytorch').")
     _check_inputs(query, key, value)
-    grouped_q, grouped_f, grouped_alpha, bias = prepare_geodesic_inputs(query, factors, key, alpha, gamma, scale)
+    if gradients_flow(query, factors, key, value, alpha, gamma):
+        key_sq = None  # the key term's gradient flows through ||k_j||^2
+    grouped_q, grouped_f, grouped_alpha, bias = prepare_geodesic_inputs(query, factors, key, alpha, gamma, scale,
+                                                                        key_sq)
     b, hk, g, q_len, d = grouped_q.shape
     mask = _kernel_mask(attention_mask, q_len, key.shape[2], hk, g, grouped_q.dtype)
     block_m, block_n = tiles or _tiles(grouped_f.shape[4], key.dtype)
@@ -1156,10 +1162,182 @@ void backward_tiles(const Problem& p, const Mask& m, const T* q, const T* u, con
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// Decode: one query row per head against the cache, without autograd (generation's one-token step). Work items are
+// (batch, KV group, chunk of DECODE_CHUNK keys), each a partial softmax (its max, its sum and sum_j p_j v_j per head),
+// combined after. Why chunks: a sequence has few KV groups (3 in SmolLM2), fewer than the cores would need, and a
+// fixed chunk keeps the result independent of the thread count. Each key row is read once for all g + gf r rows.
+// ---------------------------------------------------------------------------------------------------------------
+constexpr int64_t kDecodeChunk = 128;
+
+inline float lane_sum(vfloat v) {  // a tree of halves: 4 vector adds, not 15 scalar ones
+  typedef float half8 __attribute__((vector_size(32)));
+  typedef float half4 __attribute__((vector_size(16)));
+  const half8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const half4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// out[row] = rows[row] . k for n_rows rows of length n (and ||k||^2 into *sq when sq is not null): each vector of
+// the key loaded once for every row
+template <int R>
+inline void dot_rows_fixed(const float* rows, const float* k, int64_t n, float* out, float* sq) {
+  vfloat acc[R + 1] = {};
+  int64_t c = 0;
+  for (; c + kLanes <= n; c += kLanes) {
+    const vfloat kv = vload(k + c);
+    for (int i = 0; i < R; ++i) acc[i] += vload(rows + i * n + c) * kv;
+    if (sq != nullptr) acc[R] += kv * kv;
+  }
+  for (int i = 0; i < R; ++i) out[i] = lane_sum(acc[i]);
+  float tail_sq = sq != nullptr ? lane_sum(acc[R]) : 0.0f;
+  for (; c < n; ++c) {
+    for (int i = 0; i < R; ++i) out[i] += rows[i * n + c] * k[c];
+    tail_sq += k[c] * k[c];
+  }
+  if (sq != nullptr) *sq = tail_sq;
+}
+
+inline void dot_rows(const float* rows, int64_t n_rows, const float* k, int64_t n, float* out, float* sq) {
+  int64_t i = 0;
+  for (; i + 4 <= n_rows; i += 4) dot_rows_fixed<4>(rows + i * n, k, n, out + i, i == 0 ? sq : nullptr);
+  for (; i < n_rows; ++i) dot_rows_fixed<1>(rows + i * n, k, n, out + i, i == 0 ? sq : nullptr);
+}
+
+inline void dot_rows(const double* rows, int64_t n_rows, const double* k, int64_t n, double* out, double* sq) {
+  for (int64_t i = 0; i < n_rows; ++i) out[i] = dot(rows + i * n, k, n);
+  if (sq != nullptr) *sq = dot(k, k, n);
+}
+
+// logits (g x n) and the partial softmax of the keys [k0, k0 + n) of KV group bh: part_max, part_sum (g) and
+// part_acc (g x d) of this chunk
+template <typename T>
+void decode_chunk(const Problem& p, const Mask& m, const T* rows, const T* alpha, const T* gamma, T scale,
+                  const T* key_sq, const T* key, const T* value, int64_t bh, int64_t k0, int64_t n, T* logits,
+                  T* part_max, T* part_sum, T* part_acc) {
+  const int64_t b = bh / p.hk, h = bh % p.hk, n_rows = p.g + p.gf * p.r;
+  const T blocked = -std::numeric_limits<T>::infinity(), lowest = std::numeric_limits<T>::lowest();
+  std::vector<T> prods(n_rows);
+  for (int64_t k = 0; k < n; ++k) {
+    const T* kk = key + (bh * p.kv + k0 + k) * p.d;
+    T sq = key_sq != nullptr ? key_sq[bh * p.kv + k0 + k] : T(0);  // ||k_j||^2, kept by the cache or computed here
+    dot_rows(rows, n_rows, kk, p.d, prods.data(), key_sq != nullptr ? nullptr : &sq);
+    for (int64_t j = 0; j < p.g; ++j) {
+      const T* coords = prods.data() + p.g + (p.gf == 1 ? 0 : j) * p.r;  // sqrt(scale) U_i^T k_j
+      T quad = 0;
+      for (int64_t a = 0; a < p.r; ++a) quad += coords[a] * coords[a];
+      // scale [(G q).k - (gamma/2)||k||^2 - (alpha/2)||U^T k||^2], the scale already in the rows
+      T l = prods[j] - T(0.5) * scale * gamma[h * p.g + j] * sq - T(0.5) * alpha[h * p.g + j] * quad;
+      if (m.additive != nullptr)
+        l = std::max(l + static_cast<const T*>(m.additive)[b * m.fs[0] + h * m.fs[1] + j * m.fs[2] +
+                                                            (k0 + k) * m.fs[4]], lowest);
+      if (m.allowed != nullptr && !m.allowed[b * m.as[0] + h * m.as[1] + j * m.as[2] + (k0 + k) * m.as[4]])
+        l = blocked;
+      logits[j * n + k] = l;
+    }
+  }
+  for (int64_t j = 0; j < p.g; ++j) {
+    T* l = logits + j * n;
+    T* acc = part_acc + j * p.d;
+    std::fill(acc, acc + p.d, T(0));
+    const T mx = row_max(l, n);
+    part_max[j] = mx;
+    part_sum[j] = 0;
+    if (mx == blocked) continue;  // no allowed key in this chunk
+    part_sum[j] = exp_shifted(l, n, mx);
+    for (int64_t k = 0; k < n; ++k) {
+      if (l[k] == T(0)) continue;
+      const T* vk = value + (bh * p.kv + k0 + k) * p.d;
+      for (int64_t c = 0; c < p.d; ++c) acc[c] += l[k] * vk[c];
+    }
+  }
+}
+
+template <typename T>
+void decode_rows(const Problem& p, const Mask& m, const T* q, const T* u, const T* alpha, const T* gamma, T scale,
+                 const T* key_sq, const T* key, const T* value, T* out) {
+  const int64_t chunks = std::max<int64_t>(1, (p.kv + kDecodeChunk - 1) / kDecodeChunk), groups = p.b * p.hk;
+  std::vector<T> part_max(groups * chunks * p.g), part_sum(groups * chunks * p.g), part_acc(groups * chunks * p.g * p.d);
+  parallel_items(groups * chunks, [&](int64_t item) {
+    const int64_t bh = item / chunks, c = item % chunks;
+    const int64_t k0 = c * kDecodeChunk, n = std::max<int64_t>(0, std::min(p.kv, k0 + kDecodeChunk) - k0);
+    std::vector<T> rows((p.g + p.gf * p.r) * p.d), logits(p.g * std::max<int64_t>(n, 1));
+    gather_rows(p, q, u, alpha, scale, bh, 0, 1, rows.data());
+    decode_chunk(p, m, rows.data(), alpha, gamma, scale, key_sq, key, value, bh, k0, n, logits.data(),
+                 part_max.data() + item * p.g, part_sum.data() + item * p.g, part_acc.data() + item * p.g * p.d);
+  });
+  // combine the chunks of each head: out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) s_c, 0 where no key is allowed
+  for (int64_t bh = 0; bh < groups; ++bh) {
+    for (int64_t j = 0; j < p.g; ++j) {
+      T* o = out + (bh * p.g + j) * p.d;
+      std::fill(o, o + p.d, T(0));
+      T mx = -std::numeric_limits<T>::infinity(), sum = 0;
+      for (int64_t c = 0; c < chunks; ++c) mx = std::max(mx, part_max[(bh * chunks + c) * p.g + j]);
+      if (mx == -std::numeric_limits<T>::infinity()) continue;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t at = (bh * chunks + c) * p.g + j;
+        if (part_sum[at] == T(0)) continue;
+        const T w = std::exp(part_max[at] - mx);
+        sum += w * part_sum[at];
+        for (int64_t e = 0; e < p.d; ++e) o[e] += w * part_acc[at * p.d + e];
+      }
+      for (int64_t e = 0; e < p.d; ++e) o[e] /= sum;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The MLP's preconditioned step in inference (woodbury_precondition in fiber_attention.py), token by token:
+// M^{-1} y = y - beta V (I + beta V^T V)^{-1} V^T y, the r x r system solved by Cholesky, the pivots clamped at the
+// dtype's smallest normal number as there. Why here: per token these are a few dot products of length D, which as
+// PyTorch ops are some thirty calls per layer and decoding step.
+// ---------------------------------------------------------------------------------------------------------------
+template <typename T>
+void woodbury_rows(int64_t n, int64_t r, int64_t dim, const T* y, const T* v, T beta, T* out) {
+  at::parallel_for(0, n, 64, [&](int64_t t0, int64_t t1) {
+    std::vector<T> coords(r), gram(r * r), low(r * r), x(r);
+    const T tiny = std::numeric_limits<T>::min();
+    for (int64_t t = t0; t < t1; ++t) {
+      const T* yt = y + t * dim;
+      const T* vt = v + t * r * dim;
+      dot_rows(vt, r, yt, dim, coords.data(), nullptr);  // V^T y
+      for (int64_t a = 0; a < r; ++a) dot_rows(vt, a + 1, vt + a * dim, dim, gram.data() + a * r, nullptr);  // V^T V
+      for (int64_t j = 0; j < r; ++j) {  // Cholesky of I + beta V^T V (lower triangle: gram[i r + j], i >= j)
+        T pivot = T(1) + beta * gram[j * r + j];
+        for (int64_t k = 0; k < j; ++k) pivot -= low[j * r + k] * low[j * r + k];
+        low[j * r + j] = std::sqrt(std::max(pivot, tiny));
+        for (int64_t i = j + 1; i < r; ++i) {
+          T entry = beta * gram[i * r + j];
+          for (int64_t k = 0; k < j; ++k) entry -= low[i * r + k] * low[j * r + k];
+          low[i * r + j] = entry / low[j * r + j];
+        }
+      }
+      for (int64_t i = 0; i < r; ++i) {  // L z = V^T y
+        T value = coords[i];
+        for (int64_t k = 0; k < i; ++k) value -= low[i * r + k] * x[k];
+        x[i] = value / low[i * r + i];
+      }
+      for (int64_t i = r - 1; i >= 0; --i) {  // L^T x = z
+        T value = x[i];
+        for (int64_t k = i + 1; k < r; ++k) value -= low[k * r + i] * x[k];
+        x[i] = value / low[i * r + i];
+      }
+      T* ot = out + t * dim;
+      for (int64_t c = 0; c < dim; ++c) ot[c] = yt[c];
+      for (int64_t a = 0; a < r; ++a) {
+        const T w = beta * x[a];
+        for (int64_t c = 0; c < dim; ++c) ot[c] -= w * vt[a * dim + c];
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------------------------
 // The operators
 // ---------------------------------------------------------------------------------------------------------------
+// is_bias: whether ``bias`` is the key term (B, Hk, g, kv) (forward, backward) or gamma (Hk, g) (decode)
 Problem read_problem(const Tensor& q, const Tensor& u, const Tensor& alpha, const Tensor& bias, const Tensor& key,
-                     const Tensor& value, int64_t bm, int64_t bn) {
+                     const Tensor& value, int64_t bm, int64_t bn, bool is_bias = true) {
   TORCH_CHECK(q.dim() == 5 && u.dim() == 6 && key.dim() == 4 && value.dim() == 4,
               "geodesic attention (CPU): expected query (B, Hk, g, q, d), factors (B, Hk, gf, q, r, d), key and value "
               "(B, Hk, kv, d)");
@@ -1172,7 +1350,7 @@ Problem read_problem(const Tensor& q, const Tensor& u, const Tensor& alpha, cons
   }
   TORCH_CHECK(key.size(0) == p.b && key.size(1) == p.hk && key.size(3) == p.d && value.sizes() == key.sizes() &&
                   u.size(0) == p.b && u.size(1) == p.hk && u.size(3) == p.q && u.size(5) == p.d &&
-                  alpha.numel() == p.hk * p.g && bias.numel() == p.b * p.hk * p.g * p.kv,
+                  alpha.numel() == p.hk * p.g && bias.numel() == (is_bias ? p.b * p.kv : 1) * p.hk * p.g,
               "geodesic attention (CPU): inconsistent shapes");
   return p;
 }
@@ -1253,6 +1431,42 @@ std::vector<Tensor> geodesic_backward(const Tensor& query, const Tensor& factors
   return {d_query, d_factors, d_alpha.sum({0, 2}), d_bias.sum(0), d_key.sum(0), d_value.sum(0)};
 }
 
+Tensor geodesic_decode(const Tensor& query, const Tensor& factors, const Tensor& alpha, const Tensor& gamma,
+                       const std::optional<Tensor>& key_sq, const Tensor& key, const Tensor& value,
+                       const std::optional<Tensor>& allowed, const std::optional<Tensor>& additive, double scale) {
+  TORCH_CHECK(query.dim() == 5 && query.size(3) == 1, "geodesic decode (CPU): expected query (B, Hk, g, 1, d)");
+  // the forward's checks, gamma (Hk, g) in the bias's place (the key term is computed here)
+  const Problem p = read_problem(query, factors, alpha, gamma, key, value, 1, kDecodeChunk, /*is_bias=*/false);
+  if (key_sq.has_value()) {
+    TORCH_CHECK(key_sq->is_contiguous() && key_sq->scalar_type() == query.scalar_type() &&
+                    key_sq->numel() == p.b * p.hk * p.kv,
+                "geodesic decode (CPU): key_sq (B, Hk, kv) contiguous in the compute dtype");
+  }
+  std::vector<Tensor> keep;
+  const Mask m = read_mask(allowed, additive, p, query.scalar_type(), keep);
+  Tensor out = at::empty(query.sizes(), query.options());
+  AT_DISPATCH_FLOATING_TYPES(query.scalar_type(), "geodesic_decode", [&] {
+    decode_rows<scalar_t>(p, m, query.data_ptr<scalar_t>(), factors.data_ptr<scalar_t>(), alpha.data_ptr<scalar_t>(),
+                          gamma.data_ptr<scalar_t>(), scalar_t(scale),
+                          key_sq.has_value() ? key_sq->data_ptr<scalar_t>() : nullptr, key.data_ptr<scalar_t>(),
+                          value.data_ptr<scalar_t>(), out.data_ptr<scalar_t>());
+  });
+  return out;
+}
+
+Tensor woodbury(const Tensor& update, const Tensor& factors, double beta) {
+  TORCH_CHECK(update.dim() == 2 && factors.dim() == 3 && factors.size(0) == update.size(0) &&
+                  factors.size(2) == update.size(1) && update.is_contiguous() && factors.is_contiguous() &&
+                  factors.scalar_type() == update.scalar_type() && update.device().is_cpu(),
+              "woodbury (CPU): expected contiguous update (N, D) and factors (N, r, D) of one dtype");
+  Tensor out = at::empty(update.sizes(), update.options());
+  AT_DISPATCH_FLOATING_TYPES(update.scalar_type(), "woodbury", [&] {
+    woodbury_rows<scalar_t>(update.size(0), factors.size(1), update.size(1), update.data_ptr<scalar_t>(),
+                            factors.data_ptr<scalar_t>(), scalar_t(beta), out.data_ptr<scalar_t>());
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(NAMESPACE, lib) {
@@ -1261,11 +1475,16 @@ TORCH_LIBRARY(NAMESPACE, lib) {
   lib.def("backward(Tensor query, Tensor factors, Tensor alpha, Tensor bias, Tensor key, Tensor value, "
           "Tensor? allowed, Tensor? additive, Tensor out, Tensor lse, Tensor grad_out, float scale, int bm, "
           "int bn) -> Tensor[]");
+  lib.def("decode(Tensor query, Tensor factors, Tensor alpha, Tensor gamma, Tensor? key_sq, Tensor key, Tensor value, "
+          "Tensor? allowed, Tensor? additive, float scale) -> Tensor");
+  lib.def("woodbury(Tensor update, Tensor factors, float beta) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(NAMESPACE, CPU, lib) {
   lib.impl("forward", &geodesic_forward);
   lib.impl("backward", &geodesic_backward);
+  lib.impl("decode", &geodesic_decode);
+  lib.impl("woodbury", &woodbury);
 }
 """
 
@@ -1363,6 +1582,77 @@ def _cpp_backward(query, factors, alpha, bias, key, value, allowed, additive, ou
     return d_query, d_factors, d_alpha, d_bias, d_key.to(key.dtype), d_value.to(value.dtype)
 
 
+def cpp_decode_step(query, factors, key, value, alpha, gamma, scale, attention_mask=None, key_sq=None) -> torch.Tensor:
+    """``geodesic_decode_step`` (one query row against the cache, no autograd) on the C++ operator's ``decode``: same
+    arguments, same result. The key term's norms are read from ``key_sq`` where the cache keeps them, else computed
+    from each key row while it is loaded. Called directly (not as a torch.library custom operator): eager decoding
+    is bound by the cost of each call, and under torch.compile the one-token step stays the traced PyTorch one."""
+    b, h, _, d = query.shape
+    hk, kv_len = key.shape[1], key.shape[2]
+    g, gf = h // hk, factors.shape[1] // hk
+    compute = compute_dtype(query.dtype, factors.dtype)
+    mask = _kernel_mask(attention_mask, 1, kv_len, hk, g, compute) if attention_mask is not None else None
+    out = _loaded_cpu_operator().decode(
+        query.to(compute).reshape(b, hk, g, 1, d).contiguous(),  # heads h = kv_head * g + j (repeat_kv's order)
+        factors.to(compute).reshape(b, hk, gf, 1, factors.shape[-2], d).contiguous(),
+        alpha.to(compute).view(hk, g).contiguous(), gamma.to(compute).view(hk, g).contiguous(),
+        None if key_sq is None else key_sq.to(compute).contiguous(),
+        key.to(compute).contiguous(), value.to(compute).contiguous(),
+        *(mask if mask is not None else (None, None)), scale,
+    )
+    return out.to(value.dtype).view(b, h, 1, d)
+
+
+def woodbury_step(update: torch.Tensor, factors: torch.Tensor, beta: torch.Tensor, kernel: str = "auto") -> torch.Tensor:
+    """``woodbury_precondition`` (the MLP's step M_i^{-1} update, docs/design.md 1.3), on the C++ operator's
+    ``woodbury`` in CPU inference outside torch.compile where ``kernel`` (config.fiber_attention_kernel) is "auto" or
+    "cpp" and the operator is built here and has passed its self-check for this dtype and rank; else the PyTorch
+    function (training keeps it: its gradient is autograd's, and a compiled graph fuses its elementwise ops)."""
+    if (kernel in ("auto", "cpp") and update.device.type == "cpu" and update.dtype in CPU_KERNEL_DTYPES
+            and not gradients_flow(update, factors, beta) and not torch.compiler.is_compiling()
+            and woodbury_passes_self_check(compute_dtype(update.dtype, factors.dtype), factors.shape[-2])):
+        return _cpp_woodbury(update, factors, beta)
+    return woodbury_precondition(update, factors, beta)
+
+
+def _cpp_woodbury(update, factors, beta) -> torch.Tensor:
+    compute = compute_dtype(update.dtype, factors.dtype)
+    dim, r = update.shape[-1], factors.shape[-2]
+    out = _loaded_cpu_operator().woodbury(update.to(compute).reshape(-1, dim).contiguous(),
+                                          factors.to(compute).reshape(-1, r, dim).contiguous(), float(beta))
+    return out.view(update.shape).to(update.dtype)
+
+
+_woodbury_verdicts: dict = {}  # (compute dtype, rank) -> whether the C++ woodbury passed its self-check here
+
+
+def woodbury_passes_self_check(dtype: torch.dtype, rank: int) -> bool:
+    """Whether ``woodbury_step`` uses the C++ ``woodbury`` for this compute dtype and rank: built here, and on first
+    use equal to ``woodbury_precondition`` in float64 on a random problem within ``KERNEL_TOLERANCE`` (else one warning,
+    and the PyTorch function from then on)."""
+    if cpu_operator() is None:
+        return False
+    if (dtype, rank) not in _woodbury_verdicts:
+        gen = torch.Generator().manual_seed(0)
+        update = torch.randn(5, 96, generator=gen, dtype=torch.float64)
+        factors = bounded_factors(torch.randn(5, rank, 96, generator=gen, dtype=torch.float64))
+        beta = torch.tensor([0.7], dtype=torch.float64)
+        try:
+            error = relative_error(_cpp_woodbury(update.to(dtype), factors.to(dtype), beta),
+                                   woodbury_precondition(update, factors, beta))
+        except Exception as exc:  # noqa: BLE001  a failing operator falls back safely
+            error, detail = float("inf"), f"it raised {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+        else:
+            detail = f"its largest relative difference from woodbury_precondition is {error:.3g}"
+        _woodbury_verdicts[(dtype, rank)] = error <= KERNEL_TOLERANCE[dtype]
+        if not _woodbury_verdicts[(dtype, rank)]:
+            warnings.warn(f"The C++ step of the metric-preconditioned MLP failed its self-check ({dtype}, r={rank}): "
+                          f"{detail}. This process uses the PyTorch function for it from now on; set "
+                          "config.fiber_attention_kernel='pytorch' to use it without the check.", RuntimeWarning,
+                          stacklevel=2)
+    return _woodbury_verdicts[(dtype, rank)]
+
+
 def _loaded_cpu_operator():
     ops = cpu_operator()
     if ops is None:
@@ -1376,7 +1666,8 @@ cpp_forward_op, cpp_backward_op = _define_operators(
 
 
 def cpp_geodesic_attention(
-    query, factors, key, value, alpha, gamma, scale, attention_mask=None, block_size=64, dropout=None, *, tiles=None
+    query, factors, key, value, alpha, gamma, scale, attention_mask=None, block_size=64, dropout=None, *, tiles=None,
+    key_sq=None,
 ) -> torch.Tensor:
     """``blocked_geodesic_attention`` on the fused C++ operator: same arguments, same result (``block_size`` unused:
     the operator's tiles are ``CPU_TILES`` or ``tiles`` = (query tile, key tile)). CPU tensors; ``dropout`` must be
@@ -1387,7 +1678,13 @@ def cpp_geodesic_attention(
     if query.device.type != "cpu":
         raise ValueError(f"The C++ geodesic attention runs on CPU tensors, got tensors on {query.device}: set "
                          "fiber_attention_kernel='auto' (Triton on a GPU) or 'pytorch'.")
-    grouped_q, grouped_f, grouped_alpha, bias = prepare_geodesic_inputs(query, factors, key, alpha, gamma, scale)
+    training = gradients_flow(query, factors, key, value, alpha, gamma)
+    if training:
+        key_sq = None  # the key term's gradient flows through ||k_j||^2
+    if query.shape[2] == 1 and not training and not torch.compiler.is_compiling():
+        return cpp_decode_step(query, factors, key, value, alpha, gamma, scale, attention_mask, key_sq)
+    grouped_q, grouped_f, grouped_alpha, bias = prepare_geodesic_inputs(query, factors, key, alpha, gamma, scale,
+                                                                        key_sq)
     b, hk, g, q_len, d = grouped_q.shape
     mask = _kernel_mask(attention_mask, q_len, key.shape[2], hk, g, grouped_q.dtype)
     block_m, block_n = tiles or CPU_TILES
@@ -1499,7 +1796,8 @@ def check_kernel(signature: KernelSignature, device: torch.device, tokens: int =
                  seed: int = 0) -> dict[str, float]:
     """The kernel against the blocked path on a random problem of ``signature`` (``self_check_problem``) on
     ``device``: the ``relative_error`` of the output and, in training, of every input's gradient under a random
-    weighting of the output. The kernel gets query, key and value in the signature's dtype and the factors and gates
+    weighting of the output (for the C++ operator in inference, the output of each sequence's last row alone too: the
+    one-token ``decode``). The kernel gets query, key and value in the signature's dtype and the factors and gates
     in float32 (as the model passes them); the blocked path gets the very same values in float64, so the errors are
     the kernel's own rounding. Exceptions of the kernel (a Triton compile error, a launch failure) propagate."""
     exact, allowed = self_check_problem(signature, tokens, seed)
@@ -1520,6 +1818,13 @@ def check_kernel(signature: KernelSignature, device: torch.device, tokens: int =
         out = fused(*inputs, scale, kernel_mask)
         ref = blocked_geodesic_attention(*references, scale, reference_mask)
         errors = {"output": relative_error(out, ref)}
+        if signature.backend == "cpp" and not training and out.shape[2] > 1:
+            # generation's one-token steps run the operator's decode: checked on each sequence's last row too
+            rows = [t[:, :, -1:] for t in inputs[:2]], [t[:, :, -1:] for t in references[:2]]
+            last_out = fused(*rows[0], *inputs[2:], scale, None if kernel_mask is None else kernel_mask[..., -1:, :])
+            last_ref = blocked_geodesic_attention(*rows[1], *references[2:], scale,
+                                                  None if reference_mask is None else reference_mask[..., -1:, :])
+            errors["output"] = max(errors["output"], relative_error(last_out, last_ref))
         if training:
             weight = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed + 2), dtype=torch.float64)
             weight = weight.to(device)

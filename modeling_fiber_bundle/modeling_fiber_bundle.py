@@ -16,6 +16,7 @@ Only torch, transformers and sibling files are imported: this file is copied int
 import math
 import re
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
@@ -27,7 +28,7 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.core_model_loading import ConversionOps, WeightConverter
 from transformers.dynamic_module_utils import custom_object_save
@@ -54,15 +55,21 @@ from .fiber_attention import (
     compute_dtype,
     curvature_proxy,
     draw_dropout,
+    key_norms,
     mask_terms,
     metric_gate,
     reference_geodesic_attention,
     rotate_factors,
     torsion_proxy,
-    woodbury_precondition,
     zero_empty_rows,
 )
-from .fused_attention import cpp_geodesic_attention, triton_geodesic_attention, use_cpp_kernel, use_triton_kernel
+from .fused_attention import (
+    cpp_geodesic_attention,
+    triton_geodesic_attention,
+    use_cpp_kernel,
+    use_triton_kernel,
+    woodbury_step,
+)
 
 GEOMETRY_KEYS = ("curvature", "torsion", "anisotropy")
 
@@ -250,12 +257,14 @@ class FiberBundleMetric(nn.Module):
             self.ffn_gate = nn.Parameter(torch.zeros(1))
             self.register_load_state_dict_pre_hook(_gates_from_zero_dim)
 
-    def forward(self, normed_hidden: torch.Tensor, part: str = "all", update: torch.Tensor | None = None) -> FiberState:
+    def forward(self, normed_hidden: torch.Tensor, part: str = "all", update: torch.Tensor | None = None,
+                kernel: str = "auto") -> FiberState:
         """The layer's metric field: every token's factors and the gates, of ``part`` ("attention", "ffn" or "all"; None
         for the other part and for a part whose rank is 0). Given the MLP's ``update`` (B, n, D), the MLP part is the
         preconditioned step M_i^{-1} update (``ffn_update``, docs/design.md 1.3) instead of the factors: computed here,
         while wrappers that hold this module's weights only during its forward (accelerate's offload hooks, FSDP) hold
-        them."""
+        them; ``kernel`` (config.fiber_attention_kernel) says whether CPU inference may run it on the C++ operator
+        (``woodbury_step``)."""
         b, n, _ = normed_hidden.shape
         if self.code_proj.weight.is_floating_point():  # kept in float32 under a float16 load (_keep_in_fp32_modules)
             normed_hidden = normed_hidden.to(self.code_proj.weight.dtype)
@@ -272,7 +281,7 @@ class FiberBundleMetric(nn.Module):
             raw = self.ffn_factor_proj(code).view(b, n, self.ffn_metric_rank, self.hidden_size)
             ffn_factors = bounded_factors(raw)  # (B, n, r_f, D)
             if update is not None:
-                ffn_update = woodbury_precondition(update, ffn_factors, beta)
+                ffn_update = woodbury_step(update, ffn_factors, beta, kernel)
         return FiberState(attn_factors, alpha, gamma, ffn_factors, beta, ffn_update)
 
 
@@ -287,6 +296,47 @@ def expand_factors(factors: torch.Tensor, num_heads: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------------------------
 # Attention, decoder layer
 # ----------------------------------------------------------------------------------------------------------------------
+# The key term's ||k_j||^2, computed once when a key enters the cache rather than over every cached key at each decoding
+# step: cache layer -> (weak reference to the keys tensor the norms describe, that tensor's in-place version, the
+# norms (B, Hk, kv)). A weak map beside transformers' objects: nothing is added to them, nothing outlives them.
+_KEY_NORMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _appending_layer(cache: Cache, layer_idx: int):
+    """The cache's layer ``layer_idx`` where its update is known to append (a plain ``DynamicLayer``: its keys become
+    torch.cat((old keys, new keys)), returned as stored); None for every other layer or cache (sliding windows, static,
+    quantized, offloaded and paged caches), whose attention computes the norms itself."""
+    layers = getattr(cache, "layers", None)
+    if not isinstance(layers, list) or layer_idx >= len(layers) or type(layers[layer_idx]) is not DynamicLayer:
+        return None
+    return layers[layer_idx]
+
+
+def update_cache(cache: Cache, layer_idx: int, key_states, value_states, kwargs, keep_key_norms: bool):
+    """``cache.update``, returning the keys and values to attend to and, where ``keep_key_norms`` (inference outside
+    torch.compile) and the layer appends (``_appending_layer``), their ``key_norms`` (B, Hk, kv) in at least float32:
+    the new keys' norms appended to those kept for the layer's previous keys, or all of them computed afresh when the
+    layer's keys were replaced or edited in place since (beam reordering, cropping, a reset). Otherwise None."""
+    layer = _appending_layer(cache, layer_idx) if keep_key_norms else None
+    previous = getattr(layer, "keys", None) if layer is not None and layer.is_initialized else None
+    keys, values = cache.update(key_states, value_states, layer_idx, kwargs=kwargs)
+    if not keep_key_norms:
+        return keys, values, None
+    layer = _appending_layer(cache, layer_idx)
+    if layer is None or keys is not layer.keys:
+        return keys, values, None
+    dtype = compute_dtype(keys.dtype)
+    record = _KEY_NORMS.get(layer)
+    appended = (
+        record is not None and previous is not None and record[0]() is previous
+        and record[1] == previous._version and record[2].dtype == dtype
+        and keys.shape[-2] == previous.shape[-2] + key_states.shape[-2]
+    )
+    norms = torch.cat((record[2], key_norms(key_states, dtype)), -1) if appended else key_norms(keys, dtype)
+    _KEY_NORMS[layer] = (weakref.ref(keys), keys._version, norms)
+    return keys, values, norms
+
+
 def geodesic_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -299,6 +349,7 @@ def geodesic_attention_forward(
     factors: torch.Tensor,
     alpha: torch.Tensor,
     gamma: torch.Tensor,
+    key_sq: torch.Tensor | None = None,
     output_attentions: bool = False,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -306,7 +357,8 @@ def geodesic_attention_forward(
     and every ``ALL_ATTENTION_FUNCTIONS`` entry), the geometry passed as keywords.
 
     query (B, H, q, d) and key, value (B, Hk, kv, d) after RoPE and the cache update; factors (B, Hf, q, r, d), each
-    query token's factors turned with its pure rotation (``rotate_factors``), Hf = H or Hk; alpha, gamma (H,).
+    query token's factors turned with its pure rotation (``rotate_factors``), Hf = H or Hk; alpha, gamma (H,); key_sq
+    the keys' ``key_norms`` (B, Hk, kv) where the cache keeps them (``update_cache``), else None.
     ``module`` gives the GQA group size (``num_key_value_groups``) and, through its config, the path
     (``fiber_attention_path``) and the query block (``attention_block_size``). Returns the output (B, q, H, d) and the
     probabilities (B, H, q, kv), or None where the blocked path does not build them (``output_attentions`` False).
@@ -340,7 +392,7 @@ def geodesic_attention_forward(
             attention = cpp_geodesic_attention
         attn_output = attention(
             query, factors, key, value, alpha, gamma, scaling, attention_mask, config.attention_block_size,
-            draw_dropout(dropout),
+            draw_dropout(dropout), key_sq=key_sq,
         )
     return attn_output.transpose(1, 2).contiguous(), attn_weights  # (B, q, H, d)
 
@@ -415,8 +467,12 @@ class FiberBundleAttention(nn.Module):
         cos, sin = position_embeddings  # (B, n, d)
         query_states = apply_rotary(query_states, cos[:, None], sin[:, None])
         key_states = apply_rotary(key_states, cos[:, None], sin[:, None])
+        key_sq = None
         if cache is not None:
-            key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
+            keep_key_norms = geodesic and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            key_states, value_states, key_sq = update_cache(
+                cache, self.layer_idx, key_states, value_states, kwargs, keep_key_norms
+            )
 
         geometry_kwargs = {}
         if geodesic:
@@ -429,6 +485,7 @@ class FiberBundleAttention(nn.Module):
                 "factors": rotate_factors(fiber_state.attn_factors, *factor_rotation),  # (B, Hf, n, r, d)
                 "alpha": fiber_state.alpha,
                 "gamma": fiber_state.gamma,
+                "key_sq": key_sq,  # ||k_j||^2 kept by the cache (inference), or None
                 "output_attentions": output_attentions,  # the blocked path builds the probabilities only when asked
             }
         else:
@@ -503,7 +560,7 @@ class FiberBundleDecoderLayer(GradientCheckpointingLayer):
         if self._recomputes():
             return torch.utils.checkpoint.checkpoint(lambda n, u: self.fiber(n, "ffn", u).ffn_update, normed, update,
                                                      use_reentrant=False)
-        return self.fiber(normed, "ffn", update).ffn_update
+        return self.fiber(normed, "ffn", update, self.config.fiber_attention_kernel).ffn_update
 
     def forward(
         self,

@@ -16,7 +16,11 @@ from modeling_fiber_bundle import modeling_fiber_bundle as modeling
 from modeling_fiber_bundle.fiber_attention import (
     _kernel_mask,
     blocked_geodesic_attention,
+    bounded_factors,
+    geodesic_decode_step,
+    key_norms,
     prepare_geodesic_inputs,
+    woodbury_precondition,
 )
 from modeling_fiber_bundle.fused_attention import KernelSignature, check_kernel, cpp_geodesic_attention
 from test_fiber_attention import MASK_CASES, make_inputs, padding_bool_mask
@@ -96,6 +100,89 @@ def test_operator_gradcheck_in_float64(masked, hf):
         return cpp_geodesic_attention(q, f, k, v, a, g, 0.5, mask, tiles=(4, 4))
 
     assert torch.autograd.gradcheck(fn, inputs)
+
+
+@pytest.mark.parametrize("mask_name", list(MASKS))
+@pytest.mark.parametrize("hk, shared", [(1, True), (2, False), (2, True), (4, False)])
+@pytest.mark.parametrize("kv", [1, 37, 300])
+def test_decode_equals_the_short_path_for_every_mask_and_grouping(mask_name, hk, shared, kv):
+    """The operator's one-row ``decode`` (generation's step) against ``geodesic_decode_step``: every mask's last row
+    (padded, per head, sliding window, packed, float), GQA groups of 4, 2 and 1 with factors per head or shared, one
+    key, one partial chunk and three chunks of keys (combined across chunks), with the cache's key norms and
+    without."""
+    b, h = 2, 4
+    query, factors, key, value, alpha, gamma = make_inputs(b=b, h=h, hk=hk, q=1, kv=kv, d=16, hf=hk if shared else h)
+    full = MASKS[mask_name](b, kv, kv)
+    mask = None if full is None else full[..., -1:, :]
+    expected = geodesic_decode_step(query, factors, key, value, alpha, gamma, 0.35, mask)
+    for key_sq in (None, key_norms(key, F64)):
+        out = fused_attention.cpp_decode_step(query, factors, key, value, alpha, gamma, 0.35, mask, key_sq)
+        torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("r", [1, 2, 4])
+@pytest.mark.parametrize("d", [8, 24, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, F64], ids=str)
+def test_decode_is_within_the_kernel_tolerance_for_every_rank_head_dim_and_dtype(r, d, dtype):
+    """r in {1, 2, 4}; head dims below, between and at multiples of the vector width (the dot products' tails); the
+    query, keys and values in the dtype, factors and gates in at least float32 (as the model passes them), against the
+    same values in float64: within ``KERNEL_TOLERANCE``; a row whose keys are all blocked gives 0 (as the short path)."""
+    inputs = make_inputs(b=2, h=6, hk=2, q=1, kv=200, d=d, r=r, hf=2)
+    geometry = torch.promote_types(dtype, torch.float32)
+    low = [t.to(dt) for t, dt in zip(inputs, (dtype, geometry, dtype, dtype, geometry, geometry))]
+    allowed = torch.ones(2, 1, 1, 200, dtype=torch.bool)
+    allowed[1] = False  # the second sequence sees no key
+    out = fused_attention.cpp_decode_step(*low, d**-0.5, allowed)
+    expected = geodesic_decode_step(*(t.to(F64) for t in low), d**-0.5, allowed)
+    assert out.dtype == dtype and torch.all(out[1] == 0)
+    assert fused_attention.relative_error(out, expected) <= fused_attention.KERNEL_TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("r", [1, 2, 4, 7])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, F64], ids=str)
+def test_woodbury_operator_equals_the_pytorch_step(r, dtype):
+    """The operator's ``woodbury`` (the MLP's preconditioned step in CPU inference) against ``woodbury_precondition``:
+    ranks up to the unrolled solve's and beyond it, D not a multiple of the vector width, negative and positive gates,
+    every dtype within ``KERNEL_TOLERANCE`` of the float64 step."""
+    gen = torch.Generator().manual_seed(r)
+    update = torch.randn(2, 5, 100, generator=gen, dtype=F64)
+    factors = bounded_factors(torch.randn(2, 5, r, 100, generator=gen, dtype=F64))
+    for beta in (-0.9, 0.7, 40.0):
+        beta = torch.tensor([beta], dtype=F64)
+        expected = woodbury_precondition(update, factors, beta)
+        geometry = torch.promote_types(dtype, torch.float32)
+        out = fused_attention.woodbury_step(update.to(dtype), factors.to(geometry), beta.to(geometry))
+        assert out.dtype == dtype
+        assert fused_attention.relative_error(out, expected) <= fused_attention.KERNEL_TOLERANCE[dtype]
+
+
+def test_woodbury_operator_serves_inference_only_and_a_wrong_one_is_caught(monkeypatch):
+    """Training (gradients flowing) and "pytorch" keep the PyTorch step; a wrong operator fails its self-check with one
+    warning and the PyTorch step runs from then on."""
+    calls = []
+    real = fused_attention._cpp_woodbury
+
+    def spy(*args):
+        calls.append(args[0].shape)
+        return real(*args)
+
+    monkeypatch.setattr(fused_attention, "_cpp_woodbury", spy)
+    monkeypatch.setattr(fused_attention, "_woodbury_verdicts", {})
+    update = torch.randn(1, 3, 40)
+    factors = bounded_factors(torch.randn(1, 3, 2, 40))
+    beta = torch.tensor([0.5])
+    fused_attention.woodbury_step(update, factors, beta)
+    assert calls[-1] == (1, 3, 40)  # after the self-check's own call
+    calls.clear()
+    fused_attention.woodbury_step(update, factors, beta, "pytorch")
+    fused_attention.woodbury_step(update, factors.requires_grad_(True), beta).sum().backward()
+    assert calls == [] and factors.grad is not None
+
+    monkeypatch.setattr(fused_attention, "_woodbury_verdicts", {})
+    monkeypatch.setattr(fused_attention, "_cpp_woodbury", lambda *args: 1.01 * real(*args))
+    with pytest.warns(RuntimeWarning, match="The C.. step of the metric-preconditioned MLP failed its self-check"):
+        out = fused_attention.woodbury_step(update, factors.detach(), beta)
+    torch.testing.assert_close(out, woodbury_precondition(update, factors.detach(), beta), rtol=0, atol=0)
 
 
 def operator_args(mask=None, dtype=F64):
@@ -209,14 +296,22 @@ def test_auto_runs_the_operator_on_the_cpu_with_the_blocked_paths_values(operato
                                    msg=lambda m: f"{name}: {m}")
 
 
-def test_decoding_and_dropout_stay_on_the_blocked_paths(operator_calls):
-    """A one-token step in inference takes the short decode path; attention dropout in training the blocked path
-    (the operator has none); "cpp" with dropout is refused with the fix."""
+def test_decoding_runs_the_operators_decode_and_dropout_stays_on_the_blocked_path(operator_calls):
+    """Generation's one-token steps in inference run the operator (its ``decode``) with the blocked path's tokens;
+    attention dropout in training the blocked path (the operator has none); "cpp" with dropout is refused with the fix."""
     model = awake_model(torch.float32, attention_dropout=0.1).eval()
-    ids = random_ids(1, 12)
+    ids, mask = random_ids(2, 12), torch.ones(2, 12, dtype=torch.long)
+    mask[1, :4] = 0  # left padding: the decode steps get a mask
     with torch.no_grad():
-        model.generate(ids, max_new_tokens=3, do_sample=False)
-    assert [shape[2] for shape in operator_calls] == [12] * model.config.num_hidden_layers  # the prompt only
+        tokens = model.generate(ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False,
+                                pad_token_id=0)
+    layers = model.config.num_hidden_layers
+    assert [shape[2] for shape in operator_calls] == [12] * layers + [1] * (3 * layers)  # the prompt, then 3 steps
+    model.config.fiber_attention_kernel = "pytorch"
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4,
+                                          do_sample=False, pad_token_id=0), tokens)
+    model.config.fiber_attention_kernel = "auto"
     operator_calls.clear()
     model.train()
     model(ids, labels=ids).loss.backward()
@@ -224,6 +319,19 @@ def test_decoding_and_dropout_stay_on_the_blocked_paths(operator_calls):
     model.config.fiber_attention_kernel = "cpp"
     with pytest.raises(ValueError, match="fiber_attention_kernel='cpp' runs on CPU tensors without attention dropout"):
         model(ids, labels=ids)
+
+
+def test_a_wrong_decode_is_caught_by_the_self_check(operator_calls, monkeypatch):
+    """The self-check of an inference signature checks the one-row decode too: a wrong one is warned about and the
+    blocked path's short step runs instead."""
+    real = fused_attention.cpp_decode_step
+    monkeypatch.setattr(fused_attention, "cpp_decode_step", lambda *args: 1.01 * real(*args))
+    model = awake_model(torch.float32).eval()
+    ids = random_ids(1, 12)
+    with pytest.warns(RuntimeWarning, match="failed its self-check on CPU, float32, .*inference"):
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    assert operator_calls == []
 
 
 def test_a_wrong_operator_is_caught_warned_about_once_and_replaced_by_the_blocked_path(operator_calls, monkeypatch):

@@ -9,7 +9,7 @@ from transformers import AutoModel, AutoModelForCausalLM, CompileConfig, LlamaCo
 from helpers import FLEX_KERNEL, SOURCE_FAMILIES, TINY, geometry_step_change, random_ids, set_gates, tiny_config, tiny_model
 from modeling_fiber_bundle import FiberBundleConfig, FiberBundleForCausalLM, FiberBundleModel
 from modeling_fiber_bundle import modeling_fiber_bundle as modeling
-from modeling_fiber_bundle.fiber_attention import metric_gram, reference_geodesic_attention
+from modeling_fiber_bundle.fiber_attention import key_norms, metric_gram, reference_geodesic_attention
 
 F64 = torch.float64
 BACKBONE_KEYS = {k: v for k, v in TINY.items() if k not in ("pad_token_id",)}
@@ -520,7 +520,7 @@ def test_metric_is_spd_in_every_dtype_and_rope_type(monkeypatch, dtype, rope):
         sigma_sq = torch.linalg.eigvalsh(metric_gram(factors.double())).amax(-1)  # (B, Hk, n): ||U_i||_2^2
         alpha = state.alpha.double().view(1, factors.shape[1], -1, 1)  # (1, Hk, g, 1): the heads sharing U_i
         assert (1.0 + alpha * sigma_sq[:, :, None]).min() > 0  # G's smallest eigenvalue, from the kernel's values
-    for _, (_, _, update), state in ffn:
+    for _, (_, _, update, *_), state in ffn:
         assert torch.isfinite(state.ffn_update).all() and state.ffn_update.dtype == update.dtype
         v_sq = torch.linalg.eigvalsh(metric_gram(state.ffn_factors.double())).amax(-1)  # the factors the step used
         assert (1.0 + state.beta.double() * v_sq).min() > 0  # M_i's smallest eigenvalue
@@ -608,6 +608,69 @@ def test_beam_search_with_cache_equals_without_cache():
     ids, mask = left_padded(batch=2, length=6, pads=(0, 2))
     args = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, num_beams=3, do_sample=False, pad_token_id=0)
     assert torch.equal(model.generate(ids, **args), model.generate(ids, use_cache=False, **args))
+
+
+def count_key_norms(monkeypatch) -> list:
+    """Record the number of keys of every ``key_norms`` call the model makes (the key term's ||k_j||^2)."""
+    calls = []
+
+    def counted(key, dtype):
+        calls.append(key.shape[-2])
+        return key_norms(key, dtype)
+
+    monkeypatch.setattr(modeling, "key_norms", counted)
+    return calls
+
+
+def test_the_cache_computes_each_keys_norm_once(monkeypatch):
+    """Decoding computes ||k_j||^2 of each key when it enters the cache, not of every cached key at every step (issue
+    44), and the norms kept are those of the keys the cache holds."""
+    model = path_model("blocked-sdpa-mask")
+    calls = count_key_norms(monkeypatch)
+    ids = random_ids(2, 9)
+    out = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, return_dict_in_generate=True)
+    layers = model.config.num_hidden_layers
+    assert calls == [9] * layers + [1] * (5 * layers)  # the prompt once, then one new key per layer and step
+    for layer in out.cache.layers:
+        norms = modeling._KEY_NORMS[layer][2]
+        torch.testing.assert_close(norms, layer.keys.pow(2).sum(-1), rtol=0, atol=1e-12)
+    # in training (gradients on) nothing is kept: the key term's gradient flows through the norms
+    trained = model(ids, use_cache=True)
+    trained.logits.sum().backward()
+    assert not any(layer in modeling._KEY_NORMS for layer in trained.cache.layers)
+
+
+def test_kept_key_norms_follow_beam_reordering_cropping_and_in_place_edits():
+    """Whenever the cache's keys change other than by appending, the kept norms are recomputed: beam search scores equal
+    those without a cache, a cropped cache (assisted decoding) gives the full forward's logits, and keys overwritten in
+    place give the logits of the cache they were copied from."""
+    model = path_model("blocked-sdpa-mask")
+    ids, mask = left_padded(batch=2, length=6, pads=(0, 2))
+    args = dict(attention_mask=mask, max_new_tokens=6, min_new_tokens=6, num_beams=3, do_sample=False,
+                pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    cached, uncached = model.generate(ids, **args), model.generate(ids, use_cache=False, **args)
+    assert torch.equal(cached.sequences, uncached.sequences)
+    torch.testing.assert_close(cached.sequences_scores, uncached.sequences_scores, rtol=0, atol=1e-12)
+
+    ids = random_ids(1, 10)
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).cache
+        model(ids[:, -3:-1], cache=cache)  # two more steps, then cropped back as assisted decoding does
+        cache.crop(-5)  # 12 keys -> 7
+        stepped = model(ids[:, 7:8], cache=cache).logits[:, -1]
+        full = model(ids[:, :8], use_cache=False).logits[:, -1]
+        torch.testing.assert_close(stepped, full, rtol=0, atol=1e-11)
+
+        other = random_ids(1, 11, seed=5)
+        cache, source = model(ids, use_cache=True).cache, model(other[:, :10], use_cache=True).cache
+        model(ids[:, :1], cache=cache)  # a step each, so that norms are kept for the keys about to be edited
+        model(other[:, 10:], cache=source)
+        for layer, src in zip(cache.layers, source.layers, strict=True):
+            layer.keys.copy_(src.keys)
+            layer.values.copy_(src.values)
+        edited = model(ids[:, :1], cache=cache).logits[:, -1]
+        reference = model(ids[:, :1], cache=source).logits[:, -1]
+        torch.testing.assert_close(edited, reference, rtol=0, atol=0)
 
 
 def test_left_padded_generation_equals_unpadded():
