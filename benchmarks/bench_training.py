@@ -145,6 +145,9 @@ def run_case(name: str, quick: bool, repeats: int, compile_models: bool, whole: 
     import torch._dynamo.testing
     import torch._inductor.config
 
+    # the previous case's compiled code is not run again: without a reset, the shared code objects (the embedding's
+    # region, nn.Module's forward) accumulate guards across cases until dynamo's recompile limit fails a fullgraph run
+    torch.compiler.reset()
     compiled_steps, compile_s, graphs, loss_diff = [], {}, {}, {}
     for label, first_loss in zip(labels, first_losses):
         model = fresh[label]

@@ -1820,7 +1820,7 @@ def check_kernel(signature: KernelSignature, device: torch.device, tokens: int =
         errors = {"output": relative_error(out, ref)}
         if signature.backend == "cpp" and not training and out.shape[2] > 1:
             # generation's one-token steps run the operator's decode: checked on each sequence's last row too
-            rows = [t[:, :, -1:] for t in inputs[:2]], [t[:, :, -1:] for t in references[:2]]
+            rows = [t[:, :, -1:].contiguous() for t in inputs[:2]], [t[:, :, -1:].contiguous() for t in references[:2]]
             last_out = fused(*rows[0], *inputs[2:], scale, None if kernel_mask is None else kernel_mask[..., -1:, :])
             last_ref = blocked_geodesic_attention(*rows[1], *references[2:], scale,
                                                   None if reference_mask is None else reference_mask[..., -1:, :])

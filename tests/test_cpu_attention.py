@@ -214,10 +214,12 @@ def test_operators_pass_torch_library_opcheck(mask, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, F64], ids=str)
 @pytest.mark.parametrize("mask", fused_attention.MASK_KINDS)
 @pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
-def test_every_dtype_is_within_the_kernel_tolerance(dtype, mask, training):
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "per-head"])
+def test_every_dtype_is_within_the_kernel_tolerance(dtype, mask, training, shared):
     """The self-check's own measure (``check_kernel``: the operator on inputs of the dtype, the blocked path on the same
-    values in float64): within ``KERNEL_TOLERANCE`` for the output and every gradient."""
-    signature = KernelSignature("cpu", None, dtype, 2, 32, 3, True, mask, training, "cpp")
+    values in float64, and in inference each sequence's last row alone): within ``KERNEL_TOLERANCE`` for the output and
+    every gradient, with factors shared by each KV group and per head."""
+    signature = KernelSignature("cpu", None, dtype, 2, 32, 3, shared, mask, training, "cpp")
     errors = check_kernel(signature, torch.device("cpu"), tokens=96)
     tolerances = fused_attention.kernel_tolerances(dtype, 32)
     assert set(errors) == ({"output", *fused_attention.GRADIENT_NAMES} if training else {"output"})
