@@ -21,6 +21,8 @@ SUBCOMMANDS = {
                 "measure rank collapse, intrinsic rank and the geometry; compare with LoRA"),
     "evaluate": ("fiber_bundle.analysis.cli:evaluate",
                  "run lm-evaluation-harness tasks on a converted model and its source, side by side"),
+    "serve": ("fiber_bundle.serving.cli:serve",
+              "serve a model with transformers' OpenAI-compatible server (streaming, continuous batching)"),
 }
 
 
