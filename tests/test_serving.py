@@ -104,7 +104,8 @@ def wait_until_healthy(port: int, process: subprocess.Popen, timeout: float = 24
 def test_the_server_answers_concurrent_streamed_chats_with_generates_tokens(tmp_path, continuous_batching):
     """``fiber-bundle serve FOLDER`` in a subprocess on a free localhost port; four concurrent streamed chat completions
     at temperature 0 through the official ``openai`` client, each equal to ``generate`` on the same chat template;
-    a malformed body gets 422; SIGTERM stops the server with exit code 0."""
+    a malformed body gets 422, a prompt past the context and an unknown model name a 400 that names the problem, and
+    the server answers on; SIGTERM stops it with exit code 0."""
     import openai
 
     model = awake_model()
@@ -150,6 +151,15 @@ def test_the_server_answers_concurrent_streamed_chats_with_generates_tokens(tmp_
         with pytest.raises(urllib.error.HTTPError) as error:
             urllib.request.urlopen(request, timeout=30)
         assert error.value.code == 422
+        # a prompt past the context and an unknown model: a 4xx that names the problem, and the server serves on
+        too_long = [{"role": "user", "content": " ".join(["w5"] * (model.config.max_position_embeddings + 10))}]
+        with pytest.raises(openai.BadRequestError) as error:
+            client.chat.completions.create(model=str(folder), messages=too_long, max_tokens=2)
+        assert "takes at most 512, prompt and answer" in error.value.response.text
+        with pytest.raises(openai.BadRequestError) as error:
+            client.chat.completions.create(model="someone/unknown", messages=chats[0], max_tokens=2)
+        assert "requested 'someone/unknown'" in error.value.response.text
+        assert chat(chats[1]).split() == expected[1].split()
     finally:
         process.send_signal(signal.SIGTERM)
         try:
