@@ -488,9 +488,10 @@ def prepare_geodesic_inputs(query, factors, key, alpha, gamma, scale, key_sq=Non
     """The O(n d r) inputs of the blocked kernel, grouped by KV head, in the compute dtype (at least float32).
 
     query (B, H, q, d) after RoPE; factors (B, Hf, q, r, d) after RoPE, Hf = H (per head) or Hk (shared by each KV
-    group); key (B, Hk, kv, d); alpha, gamma (H,); key_sq the keys' ``key_norms`` where a cache keeps them (no autograd
-    through them), else None. Returns query (B, Hk, g, q, d), factors (B, Hk, gf, q, r, d), alpha (Hk, g) and the key
-    term -scale (gamma/2) ||k_j||^2 (B, Hk, g, kv).
+    group); key (B, Hk, kv, d); alpha, gamma (H,); key_sq the keys' ``key_norms`` where a cache keeps them, else None
+    (ignored where a gradient flows through the key: the key term's gradient needs ||k_j||^2 computed from it). Returns
+    query (B, Hk, g, q, d), factors (B, Hk, gf, q, r, d), alpha (Hk, g) and the key term -scale (gamma/2) ||k_j||^2
+    (B, Hk, g, kv).
     """
     b, h, q_len, d = query.shape
     hk = key.shape[1]
@@ -499,7 +500,9 @@ def prepare_geodesic_inputs(query, factors, key, alpha, gamma, scale, key_sq=Non
     grouped_q = query.to(compute).view(b, hk, g, q_len, d)  # heads h = kv_head * g + j, as repeat_kv orders them
     grouped_f = factors.to(compute).view(b, hk, gf, q_len, factors.shape[-2], d)
     # -(gamma/2)||k_j||^2 per query head: (B, Hk, 1, kv) * (Hk, g) -> (B, Hk, g, kv)
-    key_sq = key_norms(key, compute) if key_sq is None else key_sq.to(compute)  # (B, Hk, kv)
+    if key_sq is None or gradients_flow(key):
+        key_sq = key_norms(key, compute)
+    key_sq = key_sq.to(compute)  # (B, Hk, kv)
     bias = (-0.5 * scale) * key_sq[:, :, None, :] * gamma.to(compute).view(1, hk, g, 1)
     return grouped_q, grouped_f, alpha.to(compute).view(hk, g), bias
 
@@ -571,8 +574,6 @@ def blocked_geodesic_attention(
     value's dtype.
     """
     training = gradients_flow(query, factors, key, value, alpha, gamma)
-    if training:
-        key_sq = None  # the key term's gradient flows through ||k_j||^2
     if query.shape[2] == 1 and dropout is None and not training:
         return geodesic_decode_step(query, factors, key, value, alpha, gamma, scale, attention_mask, key_sq)
     grouped_q, grouped_f, grouped_alpha, bias = prepare_geodesic_inputs(query, factors, key, alpha, gamma, scale,

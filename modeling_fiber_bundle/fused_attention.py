@@ -634,8 +634,6 @@ def triton_geodesic_attention(
         raise ValueError("The Triton geodesic attention has no attention dropout: pass dropout=None, or use "
                          "blocked_geodesic_attention (fiber_attention_kernel='pytorch').")
     _check_inputs(query, key, value)
-    if gradients_flow(query, factors, key, value, alpha, gamma):
-        key_sq = None  # the key term's gradient flows through ||k_j||^2
     grouped_q, grouped_f, grouped_alpha, bias = prepare_geodesic_inputs(query, factors, key, alpha, gamma, scale,
                                                                         key_sq)
     b, hk, g, q_len, d = grouped_q.shape
@@ -1678,10 +1676,8 @@ def cpp_geodesic_attention(
     if query.device.type != "cpu":
         raise ValueError(f"The C++ geodesic attention runs on CPU tensors, got tensors on {query.device}: set "
                          "fiber_attention_kernel='auto' (Triton on a GPU) or 'pytorch'.")
-    training = gradients_flow(query, factors, key, value, alpha, gamma)
-    if training:
-        key_sq = None  # the key term's gradient flows through ||k_j||^2
-    if query.shape[2] == 1 and not training and not torch.compiler.is_compiling():
+    if query.shape[2] == 1 and not gradients_flow(query, factors, key, value, alpha, gamma) \
+            and not torch.compiler.is_compiling():
         return cpp_decode_step(query, factors, key, value, alpha, gamma, scale, attention_mask, key_sq)
     grouped_q, grouped_f, grouped_alpha, bias = prepare_geodesic_inputs(query, factors, key, alpha, gamma, scale,
                                                                         key_sq)

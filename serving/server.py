@@ -12,7 +12,6 @@ runs (``loader.server_resolves_remote_code``).
 """
 
 import json
-import os
 import signal
 import sys
 from pathlib import Path
@@ -27,8 +26,8 @@ def check_model(model: str) -> None:
     """Refuse what the server could not serve, before it starts: a local path that does not exist or holds no model,
     and a LoRA adapter folder (``fiber-bundle merge`` first). A Hub id is left to the server."""
     path = Path(model).expanduser()
-    looks_local = path.exists() or model.startswith((".", "/", "~")) or os.sep in model.strip(os.sep).split(os.sep, 2)[-1]
-    if not looks_local:
+    # a Hub id is "name" or "owner/name": anything else that names a path is a local folder
+    if not (path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1):
         return
     if not path.is_dir():
         raise ServeError(f"{model} is not a folder: give a model folder (config.json and weights) or a Hub id.")

@@ -120,6 +120,19 @@ def test_decode_equals_the_short_path_for_every_mask_and_grouping(mask_name, hk,
         torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("attention", [blocked_geodesic_attention, cpp_geodesic_attention], ids=["blocked", "cpp"])
+def test_kept_key_norms_are_ignored_where_a_gradient_flows_through_the_keys(attention):
+    """A cache's key norms serve inference only: given them in training (wrong ones here), the output and every
+    gradient are those computed from the keys themselves."""
+    inputs = make_inputs(b=1, h=4, hk=2, q=9, kv=9, d=16, requires_grad=True, hf=2)
+    stale = torch.zeros(1, 2, 9, dtype=F64)
+    outs = [attention(*inputs, 0.3, key_sq=key_sq) for key_sq in (None, stale)]
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+    grads = [torch.autograd.grad(out.square().sum(), inputs) for out in outs]
+    for fresh, kept in zip(*grads):
+        torch.testing.assert_close(kept, fresh, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("r", [1, 2, 4])
 @pytest.mark.parametrize("d", [8, 24, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, F64], ids=str)
