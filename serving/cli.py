@@ -21,7 +21,10 @@ def serve_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     parser.add_argument("--continuous-batching", action="store_true",
                         help="share one forward between concurrent requests over a paged KV cache (transformers' "
-                             "ContinuousBatchingManager; tune with --cb-* options)")
+                             "ContinuousBatchingManager; tune with --cb-* options). On a CPU, unless a "
+                             "--cb-num-blocks, --cb-max-memory-percent or --cb-max-batch-tokens option is given, the "
+                             "cache holds 16384 "
+                             "tokens and a forward at most 2048 (transformers would reserve 90%% of the RAM)")
     parser.add_argument("--dtype", default="auto",
                         help="the weights' dtype: auto (as saved), float32, bfloat16 or float16 (default: auto)")
     parser.add_argument("--compile", action="store_true", help="compile the model's forward with torch.compile")
