@@ -196,6 +196,28 @@ def test_export_benchmark_quick_run(tmp_path):
     assert "| onnx |" in proc.stdout
 
 
+@pytest.mark.heavy
+def test_serving_benchmark_quick_run(tmp_path):
+    """bench_serving.py --quick: both models served with continuous batching off and on, every client count answered
+    with exactly the asked tokens (the script refuses otherwise), the fibre model awake, every ratio and target
+    reported."""
+    pytest.importorskip("openai")
+    out = tmp_path / "serving.json"
+    proc = run_script("bench_serving.py", "--quick", "--clients", "1", "2", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["awake_difference"] > 1e-3
+    for cb in ("off", "on"):
+        for name in ("backbone", "fibre"):
+            rows = result["runs"][cb][name]
+            assert list(rows) == ["1", "2"]
+            assert all(row["aggregate_tok_s"] > 0 and 0 < row["ttft_median_s"] <= row["ttft_max_s"]
+                       for row in rows.values())
+        assert result["ratios"][cb]["fibre_scaling"]["1"] == 1.0
+    assert [t["met"] in (True, False) for t in result["targets"]] == [True, True]
+    assert "| on | 2 |" in proc.stdout
+
+
 def test_optimizer_benchmark_from_scratch_times_every_design_point(tmp_path):
     """bench_optimizers.py --from-scratch: one row per distinct design point of the optimiser abstract's setting (AdamW,
     the five geometries, the block variants of the three partial-isometry ones), each step timed, appended to the
