@@ -96,13 +96,19 @@ def prepare_for_training(model, mode: str, *, lora_r: int = 8, lora_alpha: int =
         for p in geometry:
             p.requires_grad_(True)
         return model
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
-    config = LoraConfig(
-        r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=LORA_TARGET_MODULES,
-        modules_to_save=["fiber"] if geometry else None, task_type="CAUSAL_LM",
-    )
-    return get_peft_model(model, config)
+    return get_peft_model(model, lora_config(lora_r, lora_alpha, lora_dropout, geometry=bool(geometry)))
+
+
+def lora_config(r: int = 8, alpha: int = 16, dropout: float = 0.0, *, geometry: bool = True):
+    """The PEFT ``LoraConfig`` of ``--mode lora`` (and of TRL's ``peft_config``: training/trl_recipes.py): adapters of
+    rank ``r`` on the backbone's projections (``LORA_TARGET_MODULES``) and, with ``geometry`` (a model with a metric),
+    each layer's ``fiber`` module trained alongside in full (``modules_to_save``: saved with the adapter)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=LORA_TARGET_MODULES,
+                      modules_to_save=["fiber"] if geometry else None, task_type="CAUSAL_LM")
 
 
 def is_geometry_parameter(name: str) -> bool:

@@ -83,7 +83,7 @@ def build_trainer(model, train_dataset, args: FiberBundleTrainingArguments, *, e
                                       fresh=args.orthonormal_start, gauge=args.riemannian_gauge,
                                       betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon), None)
     elif args.metric_learning_rate is not None:
-        optimizers = (_two_rate_adamw(model, args), None)  # the Trainer adds its scheduler
+        optimizers = (two_rate_adamw(model, args, args.metric_learning_rate), None)  # the Trainer adds its scheduler
     trainer = GeometryLoggingTrainer(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                                      data_collator=default_data_collator, probe_ids=probe_ids, optimizers=optimizers)
     _check_fsdp_applies(trainer)
@@ -137,13 +137,14 @@ def _console(trainer) -> None:
         trainer.add_callback(_ProgressBarOnly)
 
 
-def _two_rate_adamw(model, args: FiberBundleTrainingArguments) -> torch.optim.AdamW:
-    """AdamW with the Trainer's hyper-parameters, the metric parameters in their own group at their own rate."""
+def two_rate_adamw(model, args: TrainingArguments, metric_learning_rate: float) -> torch.optim.AdamW:
+    """AdamW with the hyper-parameters of ``args`` (any ``TrainingArguments``), the metric parameters in their own group
+    at ``metric_learning_rate``, every other trainable parameter at ``args.learning_rate``."""
     metric, rest = [], []
     for name, param in model.named_parameters():
         if param.requires_grad:
             (metric if is_geometry_parameter(name) else rest).append(param)
-    groups = [{"params": rest, "lr": args.learning_rate}, {"params": metric, "lr": args.metric_learning_rate}]
+    groups = [{"params": rest, "lr": args.learning_rate}, {"params": metric, "lr": metric_learning_rate}]
     return torch.optim.AdamW([g for g in groups if g["params"]], betas=(args.adam_beta1, args.adam_beta2),
                              eps=args.adam_epsilon, weight_decay=args.weight_decay)
 
