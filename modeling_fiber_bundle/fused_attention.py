@@ -1862,7 +1862,10 @@ def _self_check(signature: KernelSignature, device: torch.device) -> bool:
     """Run ``check_kernel``; on a failure, one warning naming the signature, what failed and the two ways out."""
     tolerances = kernel_tolerances(signature.dtype, signature.head_dim)
     try:
-        errors = check_kernel(signature, device, SELF_CHECK_TOKENS)
+        # why the identity hooks: the first call of a signature may come inside a checkpointed layer (gradient
+        # checkpointing), whose saved-tensor hooks would otherwise take the check's own autograd graph for the layer's
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            errors = check_kernel(signature, device, SELF_CHECK_TOKENS)
     except Exception as exc:  # noqa: BLE001  a compile error, OutOfResources, a bad launch: fall back safely
         message = " ".join(str(exc).split())
         detail = f"the kernel raised {type(exc).__name__}: {message[:300]}{'...' if len(message) > 300 else ''}"

@@ -311,6 +311,23 @@ def test_auto_runs_the_operator_on_the_cpu_with_the_blocked_paths_values(operato
                                    msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_the_first_self_check_inside_a_checkpointed_layer_passes(operator_calls, reentrant):
+    """Under gradient checkpointing (TRL's default) a signature's first call, and so its self-check, comes inside a
+    checkpointed layer, in its forward or in its recomputation: the check's own forward and backward must not be taken
+    for the layer's (the checkpoint's saved-tensor hooks), so it passes, and the step equals the blocked path's."""
+    model = awake_model(torch.float32).train()
+    model.activation_checkpointing_enable({"use_reentrant": reentrant})
+    logits, grads = step(model, "auto")
+    assert set(fused_attention._verdicts.values()) == {True} and operator_calls
+    model.activation_checkpointing_disable()
+    ref_logits, ref_grads = step(model, "pytorch")
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    for name in grads:
+        scale = ref_grads[name].abs().max().clamp_min(1e-3)
+        torch.testing.assert_close(grads[name] / scale, ref_grads[name] / scale, rtol=1e-4, atol=1e-4)
+
+
 def test_decoding_runs_the_operators_decode_and_dropout_stays_on_the_blocked_path(operator_calls):
     """Generation's one-token steps in inference run the operator (its ``decode``) with the blocked path's tokens;
     attention dropout in training the blocked path (the operator has none); "cpp" with dropout is refused with the fix."""

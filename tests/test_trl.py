@@ -1,0 +1,219 @@
+"""TRL's trainers on a Fiber Bundle model (training/trl_recipes.py, docs/fine_tuning.md "With TRL"): where TRL computes
+something itself it equals the model's own computation, with the geometry awake (at the graft the model is its
+backbone, and a computation that ignored the metric would pass)."""
+
+import pytest
+import torch
+
+from helpers import set_gates, tiny_model, tiny_tokenizer
+
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+from trl import SFTConfig, SFTTrainer  # noqa: E402
+
+from fiber_bundle.training.trl_recipes import lora_config, with_metric_learning_rate  # noqa: E402
+
+# TRL 1.16's configs default gradient_checkpointing=True, a name transformers 5.25 deprecated (activation_checkpointing):
+# every SFTConfig / DPOConfig / GRPOConfig warns, whatever the user passes, and PEFT 0.21 reads the deprecated
+# is_gradient_checkpointing when TRL wraps the model. Theirs to fix; the aliases still apply.
+pytestmark = [pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning"),
+              pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")]
+
+
+def awake_model(dtype=torch.float64, seed=0):
+    """A tiny model with every gate and factor generator moved off the graft."""
+    model = set_gates(tiny_model(seed=seed, dtype=dtype))
+    with torch.no_grad():
+        for p in model.geometry_parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def text_dataset(n=12, seed=0):
+    """Texts of 4 to 30 words of the tiny tokenizer's vocabulary, different lengths so that packing mixes them."""
+    gen = torch.Generator().manual_seed(seed)
+    texts = []
+    for i in range(n):
+        length = 4 + (7 * i) % 27
+        words = torch.randint(3, 97, (length,), generator=gen).tolist()
+        texts.append(" ".join(f"w{w}" for w in words))
+    return datasets.Dataset.from_dict({"text": texts})
+
+
+def sft_config(tmp_path, **overrides) -> SFTConfig:
+    """TRL's SFT defaults, on the CPU, without reporting; float32 / float64 weights stay as they are (bf16 off: TRL
+    turns bf16 autocast on wherever the CPU supports it)."""
+    fields = dict(output_dir=str(tmp_path / "sft"), use_cpu=True, bf16=False, report_to=[], max_steps=2,
+                  per_device_train_batch_size=2, max_length=64, logging_steps=1, save_strategy="no",
+                  dataloader_num_workers=0, seed=0)
+    return SFTConfig(**{**fields, **overrides})
+
+
+def first_batch(trainer):
+    return next(iter(trainer.get_train_dataloader()))
+
+
+def gradients(model) -> dict:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# SFT
+# ---------------------------------------------------------------------------------------------------------------------
+def test_sft_fused_head_loss_equals_the_models_own_loss(tmp_path):
+    """SFT's default loss runs the base model and projects through the LM head itself, in tiles
+    (``add_fused_lm_head``): on a packed, padding-free batch its collator built, it equals the model's own loss."""
+    model = awake_model(torch.float32)
+    trainer = SFTTrainer(model=model, args=sft_config(tmp_path, packing=True), train_dataset=text_dataset(),
+                         processing_class=tiny_tokenizer())
+    batch = first_batch(trainer)
+    assert "attention_mask" not in batch and (batch["position_ids"] == 0).sum() > 1  # several samples in one row
+    with torch.no_grad():
+        fused = trainer.model(**batch, fused_lm_head=True).loss
+        own = trainer.model(**batch).loss
+    torch.testing.assert_close(fused, own, rtol=1e-5, atol=0)
+
+
+def samples_of(batch) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The (input_ids, labels) of each sample of a padding-free row: it starts where position_ids is 0."""
+    ids, labels, positions = batch["input_ids"][0], batch["labels"][0], batch["position_ids"][0]
+    starts = (positions == 0).nonzero().flatten().tolist() + [len(ids)]
+    return [(ids[a:b], labels[a:b]) for a, b in zip(starts, starts[1:])]
+
+
+def test_a_packed_batch_gives_each_sample_its_loss_and_gradients_alone(tmp_path):
+    """TRL's packing flattens a batch into one row, position_ids restarting per sample and no attention mask: the model
+    builds the block-diagonal mask from the positions and turns each token's factors by its own position, so the
+    packed loss and gradients equal those of the samples run one by one (float64)."""
+    model = awake_model()
+    trainer = SFTTrainer(model=model, args=sft_config(tmp_path, packing=True), train_dataset=text_dataset(),
+                         processing_class=tiny_tokenizer())
+    batch = first_batch(trainer)
+    samples = samples_of(batch)
+    assert len(samples) >= 3
+    model.zero_grad()
+    tokens = sum(int((labels[1:] != -100).sum()) for _, labels in samples)
+
+    def loss_of(ids, labels):  # the sum of the token losses in float64 (the model's own loss_function is float32)
+        logits = model(ids[None], **({"position_ids": positions} if len(ids) == batch_len else {})).logits[0, :-1]
+        return torch.nn.functional.cross_entropy(logits, labels[1:], ignore_index=-100, reduction="sum") / tokens
+
+    batch_len, positions = batch["input_ids"].shape[1], batch["position_ids"]
+    packed = loss_of(batch["input_ids"][0], batch["labels"][0])  # one row, no attention mask: as TRL feeds it
+    packed.backward()
+    packed_grads = gradients(model)
+
+    model.zero_grad()
+    total = 0.0
+    for ids, labels in samples:  # each alone
+        loss = loss_of(ids, labels)
+        loss.backward()
+        total = total + loss.detach()
+    torch.testing.assert_close(packed.detach(), total, rtol=1e-10, atol=0)
+    alone = gradients(model)
+    assert packed_grads.keys() == alone.keys()
+    for name in alone:
+        torch.testing.assert_close(packed_grads[name], alone[name], rtol=1e-8, atol=1e-12, msg=name)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(tmp_path):
+    """TRL turns gradient checkpointing on by default: the same batch gives the same loss and gradients with it as
+    without it (float64)."""
+    model = awake_model()
+    trainer = SFTTrainer(model=model, args=sft_config(tmp_path, packing=True), train_dataset=text_dataset(),
+                         processing_class=tiny_tokenizer())
+    assert trainer.args.gradient_checkpointing  # TRL's default
+    batch = first_batch(trainer)
+    results = []
+    for checkpointing in (True, False):
+        if checkpointing:
+            model.activation_checkpointing_enable(trainer.args.gradient_checkpointing_kwargs)
+        else:
+            model.activation_checkpointing_disable()
+        model.train()
+        model.zero_grad()
+        loss = model(**batch, fused_lm_head=True).loss
+        loss.backward()
+        results.append((loss.detach(), gradients(model)))
+    (loss_on, grads_on), (loss_off, grads_off) = results
+    torch.testing.assert_close(loss_on, loss_off, rtol=1e-12, atol=0)
+    assert grads_on.keys() == grads_off.keys() and grads_on
+    for name in grads_on:
+        torch.testing.assert_close(grads_on[name], grads_off[name], rtol=1e-10, atol=1e-14, msg=name)
+
+
+def test_completion_only_loss_on_chat_data_masks_the_prompt(tmp_path):
+    """A conversational prompt-completion dataset (``messages`` split into prompt and completion): TRL's labels mask
+    every prompt token, and the loss is the model's mean loss over the completion's tokens alone."""
+    tokenizer = tiny_tokenizer()
+    rows = {"prompt": [[{"role": "user", "content": "w5 w6 w7 w8 w9"}], [{"role": "user", "content": "w11 w12"}]],
+            "completion": [[{"role": "assistant", "content": "w20 w21 w22"}],
+                           [{"role": "assistant", "content": "w30 w31 w32 w33"}]]}
+    model = awake_model()
+    trainer = SFTTrainer(model=model, args=sft_config(tmp_path), train_dataset=datasets.Dataset.from_dict(rows),
+                         processing_class=tokenizer)
+    batch = first_batch(trainer)
+    for i in range(2):
+        prompt_ids = tokenizer.apply_chat_template(rows["prompt"][i], add_generation_prompt=True, tokenize=True,
+                                                   return_dict=True)["input_ids"]
+        row = batch["input_ids"][i].tolist()
+        start = next(j for j in range(len(row)) if row[j:j + len(prompt_ids)] == prompt_ids)
+        assert (batch["labels"][i, :start + len(prompt_ids)] == -100).all()  # the prompt is masked
+        assert (batch["labels"][i, start + len(prompt_ids):] != -100).any()  # the completion is not
+    with torch.no_grad():
+        fused = trainer.model(**batch, fused_lm_head=True).loss
+        logits = trainer.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    labels = batch["labels"][:, 1:]
+    expected = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                                 ignore_index=-100)
+    torch.testing.assert_close(fused.double(), expected, rtol=1e-6, atol=0)  # TRL's fused head computes in float32
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# LoRA with the metric alongside
+# ---------------------------------------------------------------------------------------------------------------------
+def test_lora_recipe_trains_the_metric_alongside_and_the_adapter_reloads_and_merges(tmp_path):
+    """``peft_config=lora_config()`` gives a TRL user ``fiber-bundle train --mode lora``: LoRA on the backbone's
+    projections, every ``fiber`` module trained in full (saved with the adapter), and with
+    ``with_metric_learning_rate`` the metric at its own rate. The folder is given by path with trust_remote_code, as
+    users do; the adapter reloads with ``AutoPeftModelForCausalLM`` to the same logits and merges with the project's
+    ``merge``."""
+    from peft import AutoPeftModelForCausalLM
+
+    from fiber_bundle.training.merge import merge_adapter
+    from fiber_bundle.training.modes import is_geometry_parameter
+
+    model = awake_model(torch.float32)
+    tokenizer = tiny_tokenizer()
+    base = tmp_path / "base"
+    model.save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    args = sft_config(tmp_path, packing=True, trust_remote_code=True, learning_rate=1e-3, max_steps=3)
+    trainer = SFTTrainer(model=str(base), args=args, train_dataset=text_dataset(), peft_config=lora_config(),
+                         processing_class=tokenizer)
+    with_metric_learning_rate(trainer, 2e-2)
+    trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+    assert any("lora_A" in n for n in trainable) and any(is_geometry_parameter(n) for n in trainable)
+    assert all("lora_" in n or is_geometry_parameter(n) for n in trainable)
+    rates = sorted(group["lr"] for group in trainer.optimizer.param_groups)
+    assert rates == [1e-3, 2e-2]
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    trainer.train()
+    moved = [n for n, p in trainer.model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
+    assert any(is_geometry_parameter(n) for n in moved) and any("lora_B" in n for n in moved)
+
+    adapter = tmp_path / "adapter"
+    trainer.save_model(str(adapter))
+    ids = torch.randint(3, 97, (2, 24), generator=torch.Generator().manual_seed(3))
+    trainer.model.eval()
+    with torch.no_grad():
+        expected = trainer.model(ids).logits
+        reloaded = AutoPeftModelForCausalLM.from_pretrained(adapter, trust_remote_code=True).eval()
+        torch.testing.assert_close(reloaded(ids).logits, expected, rtol=1e-5, atol=1e-5)
+    merge_adapter(adapter, tmp_path / "merged", base=base)
+    from modeling_fiber_bundle import FiberBundleForCausalLM
+
+    merged = FiberBundleForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, expected, rtol=1e-4, atol=1e-4)
