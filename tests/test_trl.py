@@ -15,10 +15,10 @@ from trl import SFTConfig, SFTTrainer  # noqa: E402
 from fiber_bundle.training.trl_recipes import lora_config, with_metric_learning_rate  # noqa: E402
 
 # TRL 1.16's configs default gradient_checkpointing=True, a name transformers 5.25 deprecated (activation_checkpointing):
-# every SFTConfig / DPOConfig / GRPOConfig warns, whatever the user passes, and PEFT 0.21 reads the deprecated
-# is_gradient_checkpointing when TRL wraps the model. Theirs to fix; the aliases still apply.
-pytestmark = [pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning"),
-              pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")]
+# every SFTConfig / DPOConfig / GRPOConfig warns, whatever the user passes; TRL calls gradient_checkpointing_disable
+# around its reference and generation forwards, and PEFT 0.21 reads is_gradient_checkpointing. Theirs to fix; the
+# aliases still apply.
+pytestmark = pytest.mark.filterwarnings("ignore:`[a-z_]*gradient_checkpointing[a-z_]*` is deprecated:FutureWarning")
 
 
 def awake_model(dtype=torch.float64, seed=0):
@@ -217,3 +217,121 @@ def test_lora_recipe_trains_the_metric_alongside_and_the_adapter_reloads_and_mer
     merged = FiberBundleForCausalLM.from_pretrained(tmp_path / "merged").eval()
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, expected, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# DPO with PEFT
+# ---------------------------------------------------------------------------------------------------------------------
+def preference_dataset():
+    """Prompts whose chosen answer repeats a word the rejected one does not: something a few steps can learn."""
+    prompts, chosen, rejected = [], [], []
+    for i in range(8):
+        prompts.append(" ".join(f"w{3 + (5 * i + k) % 90}" for k in range(4 + i % 3)))
+        chosen.append(" ".join(["w7"] * (3 + i % 2)))
+        rejected.append(" ".join(f"w{40 + (3 * i + k) % 50}" for k in range(3 + i % 2)))
+    return datasets.Dataset.from_dict({"prompt": prompts, "chosen": chosen, "rejected": rejected})
+
+
+def completion_logps(model, batch) -> torch.Tensor:
+    """Each row's summed log-probability of its completion tokens (``completion_mask``), from the model's full logits in
+    float64: the plain computation DPO's reference must equal."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.double()
+    logps = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
+    return (logps * batch["completion_mask"][:, 1:]).sum(-1)
+
+
+def test_dpo_with_peft_raises_the_margin_and_its_reference_is_the_base_model(tmp_path):
+    """DPO with the LoRA + metric recipe and no reference model: TRL takes the reference with the adapter disabled,
+    which must be the base model (the ``fiber`` copies PEFT trains under ``modules_to_save`` switched off too), after
+    training as before it; a few steps raise the chosen-minus-rejected reward margin."""
+    from trl import DPOConfig, DPOTrainer
+
+    from modeling_fiber_bundle import FiberBundleForCausalLM
+
+    model = awake_model(torch.float32)
+    tokenizer = tiny_tokenizer()
+    base = tmp_path / "base"
+    model.save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    args = DPOConfig(output_dir=str(tmp_path / "dpo"), use_cpu=True, bf16=False, report_to=[], max_steps=6,
+                     per_device_train_batch_size=4, learning_rate=5e-3, logging_steps=1, save_strategy="no",
+                     trust_remote_code=True, seed=0, beta=0.1)
+    trainer = DPOTrainer(model=str(base), args=args, train_dataset=preference_dataset(), processing_class=tokenizer,
+                         peft_config=lora_config())
+    batch = first_batch(trainer)
+    base_model = FiberBundleForCausalLM.from_pretrained(base).eval()
+    with torch.no_grad():
+        expected = completion_logps(base_model, batch)
+        before = torch.cat(trainer.compute_ref_log_probs(trainer.model, batch))
+    torch.testing.assert_close(before.double(), expected, rtol=1e-5, atol=1e-4)
+    trainer.train()
+    margins = [log["rewards/margins"] for log in trainer.state.log_history if "rewards/margins" in log]
+    assert margins[0] == pytest.approx(0.0, abs=1e-6) and margins[-1] > 0.05, margins
+    with torch.no_grad():
+        after = torch.cat(trainer.compute_ref_log_probs(trainer.model, batch))
+        policy = completion_logps(trainer.model, batch)
+    torch.testing.assert_close(after.double(), expected, rtol=1e-5, atol=1e-4)  # the reference did not move
+    assert (policy - expected).abs().max() > 1e-2  # the policy did
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# GRPO
+# ---------------------------------------------------------------------------------------------------------------------
+def count_w7(completions, **kwargs) -> list[float]:
+    """A verifiable reward: how often the completion says w7."""
+    return [float(c.split().count("w7")) for c in completions]
+
+
+def grpo_trainer(tmp_path, folder, tokenizer, continuous_batching: bool):
+    from trl import GRPOConfig, GRPOTrainer
+
+    from fiber_bundle.training.trl_recipes import continuous_batching_config
+
+    args = GRPOConfig(output_dir=str(tmp_path / f"grpo-{continuous_batching}"), use_cpu=True, bf16=False,
+                      report_to=[], max_steps=1, per_device_train_batch_size=4, num_generations=2,
+                      max_completion_length=6, learning_rate=1e-3, save_strategy="no", trust_remote_code=True,
+                      seed=0, generation_kwargs={"do_sample": False},
+                      use_transformers_continuous_batching=continuous_batching,
+                      transformers_continuous_batching_config=continuous_batching_config() if continuous_batching
+                      else None)
+    prompts = datasets.Dataset.from_dict({"prompt": [f"w{5 + i} w{9 + i} w{20 + 3 * i}" + " w3" * i
+                                                     for i in range(4)]})
+    return GRPOTrainer(model=str(folder), reward_funcs=count_w7, args=args, train_dataset=prompts,
+                       processing_class=tokenizer, peft_config=lora_config())
+
+
+def test_grpo_generates_the_same_greedy_completions_through_generate_and_continuous_batching(tmp_path):
+    """GRPO's generation by ``generate`` (left-padded prompts) and by transformers' continuous batching (the paged cache,
+    packed requests) gives the same greedy completions; a step runs with either; its log-probabilities of the last
+    ``logits_to_keep`` positions equal the full forward's, and the model's own ``logits_to_keep`` slices the same
+    logits."""
+    from test_serving import awake_model as decisive_geometry  # factors near their bound: they decide greedy tokens
+
+    model = decisive_geometry()
+    tokenizer = tiny_tokenizer()
+    folder = tmp_path / "base"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    # prompts whose greedy answer does not end at once (transformers' continuous batching ignores min_new_tokens)
+    candidates = [tokenizer(f"w{5 + i} w{9 + i}" + " w3" * (i % 5))["input_ids"] for i in range(24)]
+    with torch.no_grad():
+        prompt_ids = [ids for ids in candidates
+                      if model(torch.tensor([ids])).logits[0, -1].argmax() != tokenizer.eos_token_id][:3]
+    assert len(prompt_ids) == 3 and len({len(ids) for ids in prompt_ids}) > 1
+    completions = {}
+    for continuous_batching in (False, True):
+        trainer = grpo_trainer(tmp_path, folder, tokenizer, continuous_batching)
+        completions[continuous_batching], _ = trainer._generate_single_turn(prompt_ids, None, {}, 1)
+        trainer.train()
+        assert trainer.state.global_step == 1
+    assert completions[False] == completions[True] and all(len(c) >= 2 for c in completions[False]), completions
+
+    ids = torch.tensor([prompt_ids[2] + completions[False][2]])
+    keep = len(completions[False][2])
+    with torch.no_grad():
+        full = trainer.model(input_ids=ids).logits
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, torch.ones_like(ids), keep)
+        kept = trainer.model(input_ids=ids, logits_to_keep=keep).logits
+    expected = torch.log_softmax(full[:, -keep - 1:-1].double(), -1).gather(-1, ids[:, -keep:, None])[..., 0]
+    torch.testing.assert_close(logps.double(), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kept, full[:, -keep:], rtol=1e-5, atol=1e-6)  # the head on fewer rows: float32 rounding
