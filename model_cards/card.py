@@ -1,7 +1,8 @@
 """The model card of a Fiber Bundle folder, in one place: ``render_card`` writes README.md (and geometry.png) from what
 the folder's own JSON files record: conversion_report.json (``fiber-bundle convert``), training_metrics.json
 (``fiber-bundle train``, and ``merge``), adapter_config.json (a LoRA / QLoRA adapter), evaluation_results.json
-(``fiber-bundle publish --evaluation``). Convert, train and merge render it; publish renders it again with the repo
+(``fiber-bundle publish --evaluation``), and for a folder TRL's trainers saved, the tags of the card they wrote and
+trainer_state.json (``trl_record``). Convert, train and merge render it; publish renders it again with the repo
 id. One template (``fiber_bundle.md``) for every kind of folder, through huggingface_hub's ``ModelCard`` and
 ``EvalResult``. Nothing of the project is imported here.
 """
@@ -28,6 +29,9 @@ EVALUATION_RESULTS = "evaluation_results.json"
 HARNESS = "lm-evaluation-harness"
 FAMILIES = {"llama": "LLaMA", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 MODES = {"full": "full fine-tuning", "metric-only": "metric-only training (backbone frozen)", "lora": "LoRA"}
+# TRL's trainers, by the tag each puts on the card it saves with the model (its ``_tag_names``)
+TRL_TRAINERS = {"sft": "SFTTrainer", "dpo": "DPOTrainer", "grpo": "GRPOTrainer", "kto": "KTOTrainer",
+                "rloo": "RLOOTrainer", "reward-trainer": "RewardTrainer", "distillation": "DistillationTrainer"}
 
 
 def template_path(name: str = "fiber_bundle.md") -> str:
@@ -116,6 +120,29 @@ def card_kind(folder: str | Path) -> str:
     return "converted" if (Path(folder) / "conversion_report.json").is_file() else "model"
 
 
+def trl_record(folder: str | Path) -> dict | None:
+    """What a folder saved by one of TRL's trainers says of its training, or None for a folder TRL did not write: the
+    trainer, from the tags of the card saved with the model (PEFT's or transformers' card, tagged "trl" and the
+    trainer's tag); and, where ``trainer.save_state()`` wrote trainer_state.json beside it, the steps taken and the
+    last logged training loss. The data, its size and the hyper-parameters are not in such a folder (TRL keeps its
+    config only as training_args.bin, a pickle this never loads)."""
+    card = Path(folder) / "README.md"
+    if not card.is_file():
+        return None
+    from huggingface_hub import ModelCard
+
+    try:
+        tags = ModelCard.load(card).data.tags or []
+    except (ValueError, OSError):
+        return None
+    if "trl" not in tags:  # (this module's own card keeps both tags: rendering it again finds the same)
+        return None
+    trainer = next((name for tag, name in TRL_TRAINERS.items() if tag in tags), "a TRL trainer")
+    state = read_json(folder, "trainer_state.json") or {}
+    losses = [entry["loss"] for entry in state.get("log_history", []) if "loss" in entry]
+    return {"trainer": trainer, "steps": state.get("global_step"), "final_loss": losses[-1] if losses else None}
+
+
 def evaluation_summary(comparison: dict) -> dict:
     """What a card shows of ``fiber-bundle evaluate --json``'s output: per task and metric the model's value (and its
     source's, when it was compared) and how many documents were scored; the run's model arguments and commands (local
@@ -177,12 +204,13 @@ def render_card(folder: str | Path, *, repo_id: str | None = None, name: str | N
 
 
 def finish_card(folder: str | Path, repo_id: str, *, license: str | None = None):
-    """The card ``publish`` uploads: rendered again with ``repo_id`` where it was generated (``MARKER``), else (a card
-    the user wrote) kept as written, with its OWNER/NAME placeholders filled and the metadata the Hub needs added."""
+    """The card ``publish`` uploads: rendered again with ``repo_id`` where it was generated (``MARKER``, or the card
+    TRL's trainers save: ``trl_record``), else (a card the user wrote) kept as written, with its OWNER/NAME
+    placeholders filled and the metadata the Hub needs added."""
     from huggingface_hub import ModelCard
 
     path = Path(folder) / "README.md"
-    if not path.is_file() or MARKER in path.read_text():
+    if not path.is_file() or MARKER in path.read_text() or trl_record(folder) is not None:  # TRL's: a template card
         return render_card(folder, repo_id=repo_id, license=license)
     card = ModelCard.load(path)
     card.data.library_name = card.data.library_name or "transformers"
@@ -220,17 +248,20 @@ def _facts(folder: Path) -> dict:
     else:
         base_id, relation = None, None
     data = run.get("data")
+    trl = trl_record(folder) if not run else None
+    made_with = {"adapter": "fiber-bundle train --mode lora", "merged": "fiber-bundle merge",
+                 "from-scratch": "fiber-bundle train --from-config", "trained": "fiber-bundle train",
+                 "converted": "fiber-bundle convert", "model": "fiber-bundle publish"}[kind]
     return {
-        "kind": kind, "conversion": conversion, "run": run, "adapter": adapter, "source": source, "model": model,
+        "kind": kind, "conversion": conversion, "run": run, "trl": trl, "adapter": adapter, "source": source,
+        "model": model,
         "evaluation": read_json(folder, EVALUATION_RESULTS),
         "auto_class": AUTO_CLASSES.get(architecture, "AutoModelForCausalLM"), "architecture": architecture,
         "family": FAMILIES.get(source.get("architecture"), source.get("architecture")),
         "base_id": base_id, "relation": relation,
         "base_name": origin or source.get("name") or (run.get("base") if kind != "from-scratch" else None),
         "datasets": [data] if isinstance(data, str) and looks_like_hub_id(data) else [],
-        "made_with": {"adapter": "fiber-bundle train --mode lora", "merged": "fiber-bundle merge",
-                      "from-scratch": "fiber-bundle train --from-config", "trained": "fiber-bundle train",
-                      "converted": "fiber-bundle convert", "model": "fiber-bundle publish"}[kind],
+        "made_with": f"TRL's {trl['trainer']}; card: fiber-bundle publish" if trl else made_with,
     }
 
 
@@ -245,7 +276,10 @@ def _what(facts: dict) -> str:
     if kind == "adapter":
         rank = (facts["adapter"] or {}).get("r")
         quantised = f", QLoRA on a {run['quantization']} load of the base" if run.get("quantization") else ""
-        return f"LoRA adapter (r = {rank}{quantised})"
+        trained = f", trained with TRL's {facts['trl']['trainer']}" if facts["trl"] else ""
+        return f"LoRA adapter (r = {rank}{quantised}{trained})"
+    if facts["trl"]:
+        return f"a Fiber Bundle model trained with TRL's {facts['trl']['trainer']}"
     return {"merged": "a LoRA adapter merged into its base (full precision)",
             "from-scratch": f"trained from random initialisation ({public_name(run.get('from_config'))})",
             "trained": MODES.get(run.get("mode"), str(run.get("mode"))) + " of a Fiber Bundle model",
@@ -255,6 +289,8 @@ def _what(facts: dict) -> str:
 
 def _summary(facts: dict) -> str:
     run, kind, source = facts["run"], facts["kind"], facts["source"]
+    if facts["trl"]:
+        return _trl_summary(facts)
     base = _hub_link(facts["base_id"] or run.get("base"))
     steps = run.get("steps")
     tokens = f"{significant(run['train_tokens'])} tokens" if run.get("train_tokens") else "its training data"
@@ -282,6 +318,22 @@ def _summary(facts: dict) -> str:
         return (f"A **Fiber Bundle Transformer**{origin} (`{run.get('base')}`), then "
                 f"{MODES.get(run.get('mode'), run.get('mode'))}: {steps} steps on {tokens} of {data}.")
     return "A **Fiber Bundle Transformer** model."
+
+
+def _trl_summary(facts: dict) -> str:
+    trl, base = facts["trl"], _hub_link(facts["base_id"])
+    what = "A **LoRA adapter** for the Fiber Bundle model " + base if facts["kind"] == "adapter" else \
+        "A **Fiber Bundle Transformer**"
+    done = (f", {trl['steps']} steps" if trl["steps"] is not None else "") + (
+        f", last logged training loss {significant(trl['final_loss'])}" if trl["final_loss"] is not None else "")
+    modules = (" The metric parameters it trained alongside the LoRA pairs are saved in full beside them."
+               if "fiber" in ((facts["adapter"] or {}).get("modules_to_save") or []) else "")
+    unknown = ("the training data, its size and the hyper-parameters" if trl["steps"] is not None else
+               "the training data, its size, the hyper-parameters, the steps and the losses (save them beside the "
+               "model with `trainer.save_state()`, which writes trainer_state.json)")
+    return (f"{what}, trained with TRL's `{trl['trainer']}`{done}.{modules} The folder does not record {unknown}: "
+            "TRL keeps its configuration only as training_args.bin, a pickle this card is not made from; add them "
+            "here by hand if you publish it.")
 
 
 def _data_name(data) -> str:
@@ -367,7 +419,13 @@ def _training_data(facts: dict) -> str | None:
 
 
 def _procedure(facts: dict) -> list[tuple[str, str]]:
-    run = facts["run"]
+    run, trl = facts["run"], facts["trl"]
+    if trl:
+        rows = [("trainer", f"TRL `{trl['trainer']}`")]
+        rows += [("steps", significant(trl["steps"]))] if trl["steps"] is not None else []
+        rows += [("last logged training loss", significant(trl["final_loss"]))] if trl["final_loss"] is not None \
+            else []
+        return rows
     if not run or "steps" not in run:
         return []
     labels = [("mode", "mode"), ("steps", "steps"), ("optimizer", "optimizer"), ("learning_rate", "learning rate"),
@@ -502,4 +560,6 @@ def _tags(facts: dict) -> list[str]:
         tags.append(facts["source"]["architecture"])
     if facts["kind"] == "adapter":
         tags += ["lora", "peft"] + (["qlora"] if facts["run"].get("quantization") else [])
+    if facts["trl"]:
+        tags += ["trl"] + [tag for tag, name in TRL_TRAINERS.items() if name == facts["trl"]["trainer"]]
     return tags

@@ -335,3 +335,41 @@ def test_grpo_generates_the_same_greedy_completions_through_generate_and_continu
     expected = torch.log_softmax(full[:, -keep - 1:-1].double(), -1).gather(-1, ids[:, -keep:, None])[..., 0]
     torch.testing.assert_close(logps.double(), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(kept, full[:, -keep:], rtol=1e-5, atol=1e-6)  # the head on fewer rows: float32 rounding
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The model card of a TRL output folder
+# ---------------------------------------------------------------------------------------------------------------------
+def test_publish_renders_a_card_for_a_trl_output_folder_from_what_it_records(tmp_path):
+    """``fiber-bundle publish --dry-run`` on the folder ``SFTTrainer.save_model`` wrote: the card TRL saved (PEFT's
+    template, the base as a local path) is replaced by the project's, which says what the folder records (the trainer,
+    and with ``trainer.save_state()`` the steps and the last loss) and what it cannot know; rendered again, the same."""
+    from fiber_bundle.training.publish import publish
+
+    model = awake_model(torch.float32)
+    tokenizer = tiny_tokenizer()
+    base = tmp_path / "base"
+    model.save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    trainer = SFTTrainer(model=str(base), args=sft_config(tmp_path, packing=True, trust_remote_code=True),
+                         train_dataset=text_dataset(), peft_config=lora_config(), processing_class=tokenizer)
+    trainer.train()
+    bare, recorded = tmp_path / "bare", tmp_path / "recorded"
+    trainer.save_model(str(bare))
+    trainer.save_model(str(recorded))
+    trainer.args.output_dir = str(recorded)
+    trainer.save_state()
+    assert "trl" in (bare / "README.md").read_text()  # TRL's tags on PEFT's card
+
+    for folder in (bare, recorded):
+        publish(folder, "me/tiny-sft", dry_run=True, check_load=False, base_model_id="me/tiny-base")
+        card = (folder / "README.md").read_text()
+        assert "trained with TRL's `SFTTrainer`" in card and "- trl\n" in card and "- sft\n" in card
+        assert "The metric parameters it trained alongside the LoRA pairs are saved in full" in card
+        assert "does not record the training data" in card and str(tmp_path) not in card
+        publish(folder, "me/tiny-sft", dry_run=True, check_load=False)
+        assert (folder / "README.md").read_text() == card
+    bare_card, recorded_card = (bare / "README.md").read_text(), (recorded / "README.md").read_text()
+    assert "the steps and the losses (save them beside the model with `trainer.save_state()`" in bare_card
+    loss = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry][-1]
+    assert f"{trainer.state.global_step} steps, last logged training loss {loss:.4g}" in recorded_card
