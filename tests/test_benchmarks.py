@@ -218,6 +218,23 @@ def test_serving_benchmark_quick_run(tmp_path):
     assert "| on | 2 |" in proc.stdout
 
 
+@pytest.mark.heavy
+def test_trl_benchmark_quick_run(tmp_path):
+    """bench_trl.py --quick: the project's LoRA + metric trainer and TRL's SFTTrainer on the same blocks, each with its
+    seconds per step and held-out loss; on the same data and rates they reach the same held-out loss."""
+    pytest.importorskip("trl")
+    out = tmp_path / "trl.json"
+    proc = run_script("bench_trl.py", "--quick", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert list(rows) == ["fiber-bundle train --mode lora", "TRL SFTTrainer"]
+    assert all(row["s_per_step"] > 0 for row in rows.values())
+    after = [row["held_out_after"] for row in rows.values()]
+    assert after[0] == pytest.approx(after[1], rel=1e-4) and after[0] != result["held_out_before"]
+    assert "| TRL SFTTrainer | on |" in proc.stdout
+
+
 def test_optimizer_benchmark_from_scratch_times_every_design_point(tmp_path):
     """bench_optimizers.py --from-scratch: one row per distinct design point of the optimiser abstract's setting (AdamW,
     the five geometries, the block variants of the three partial-isometry ones), each step timed, appended to the

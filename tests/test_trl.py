@@ -14,10 +14,10 @@ from trl import SFTConfig, SFTTrainer  # noqa: E402
 
 from fiber_bundle.training.trl_recipes import lora_config, with_metric_learning_rate  # noqa: E402
 
-# TRL 1.16's configs default gradient_checkpointing=True, a name transformers 5.25 deprecated (activation_checkpointing):
-# every SFTConfig / DPOConfig / GRPOConfig warns, whatever the user passes; TRL calls gradient_checkpointing_disable
-# around its reference and generation forwards, and PEFT 0.21 reads is_gradient_checkpointing. Theirs to fix; the
-# aliases still apply.
+# TRL 1.16's configs default gradient_checkpointing=True, a name transformers 5.25 deprecated
+# (activation_checkpointing): every SFTConfig / DPOConfig / GRPOConfig warns, whatever the user passes; TRL calls
+# gradient_checkpointing_disable around its reference and generation forwards, and PEFT 0.21 reads
+# is_gradient_checkpointing. Theirs to fix; the aliases still apply.
 pytestmark = pytest.mark.filterwarnings("ignore:`[a-z_]*gradient_checkpointing[a-z_]*` is deprecated:FutureWarning")
 
 
@@ -301,9 +301,9 @@ def grpo_trainer(tmp_path, folder, tokenizer, continuous_batching: bool):
 
 
 def test_grpo_generates_the_same_greedy_completions_through_generate_and_continuous_batching(tmp_path):
-    """GRPO's generation by ``generate`` (left-padded prompts) and by transformers' continuous batching (the paged cache,
-    packed requests) gives the same greedy completions; a step runs with either; its log-probabilities of the last
-    ``logits_to_keep`` positions equal the full forward's, and the model's own ``logits_to_keep`` slices the same
+    """GRPO's generation by ``generate`` (left-padded prompts) and by transformers' continuous batching (the paged
+    cache, packed requests) gives the same greedy completions; a step runs with either; its log-probabilities of the
+    last ``logits_to_keep`` positions equal the full forward's, and the model's own ``logits_to_keep`` slices the same
     logits."""
     from test_serving import awake_model as decisive_geometry  # factors near their bound: they decide greedy tokens
 
@@ -373,3 +373,75 @@ def test_publish_renders_a_card_for_a_trl_output_folder_from_what_it_records(tmp
     assert "the steps and the losses (save them beside the model with `trainer.save_state()`" in bare_card
     loss = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry][-1]
     assert f"{trainer.state.global_step} steps, last logged training loss {loss:.4g}" in recorded_card
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The recipes of docs/fine_tuning.md, and SFT on the real checkpoint
+# ---------------------------------------------------------------------------------------------------------------------
+def trl_recipes() -> list[str]:
+    """The Python snippets of docs/fine_tuning.md's "With TRL" section, as written."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "fine_tuning.md").read_text()
+    section = text[text.index("## With TRL"):]
+    return re.findall(r"```python\n(.*?)```", section, flags=re.S)
+
+
+@pytest.mark.heavy
+def test_the_documented_recipes_run(tmp_path, monkeypatch):
+    """SFT, DPO and GRPO as docs/fine_tuning.md writes them, on a tiny folder standing in for the main job's output
+    (the same code, its paths moved under tmp_path): each trains, SFT's folder reloads as an adapter and publishes a
+    card."""
+    from peft import AutoPeftModelForCausalLM
+
+    from fiber_bundle.training.publish import publish
+
+    recipes = trl_recipes()
+    assert len(recipes) == 3 and all("out/smollm2-fbt-metric" in code for code in recipes)
+    from test_serving import awake_model as decisive_geometry
+
+    out = tmp_path / "out"
+    model, tokenizer = decisive_geometry(), tiny_tokenizer()
+    model.save_pretrained(out / "smollm2-fbt-metric")
+    tokenizer.save_pretrained(out / "smollm2-fbt-metric")
+    monkeypatch.chdir(tmp_path)
+    for code in recipes:
+        namespace = {}
+        exec(compile(code, "docs/fine_tuning.md", "exec"), namespace)  # noqa: S102  the documented snippet itself
+        assert namespace["trainer"].state.global_step == namespace["args"].max_steps
+    AutoPeftModelForCausalLM.from_pretrained(out / "smollm2-sft", trust_remote_code=True)
+    publish(out / "smollm2-sft", "you/smollm2-sft", dry_run=True, check_load=False,
+            base_model_id="you/SmolLM2-135M-Instruct-FBT")
+    assert "steps, last logged training loss" in (out / "smollm2-sft" / "README.md").read_text()
+
+
+@pytest.mark.heavy
+def test_sft_on_the_real_checkpoint(converted, tmp_path):
+    """SFTTrainer with the LoRA + metric recipe on the SmolLM2-135M conversion (geometry at the graft, woken by the
+    metric's own rate): two packed steps of pydoc text run, the metric moves off the graft, and the adapter reloads to
+    the same logits."""
+    from peft import AutoPeftModelForCausalLM
+
+    from fiber_bundle.training.data import pydoc_topics
+
+    train, _ = pydoc_topics()
+    args = SFTConfig(output_dir=str(tmp_path / "sft"), trust_remote_code=True, max_steps=2,
+                     per_device_train_batch_size=2, max_length=128, packing=True, packing_strategy="bfd_split",
+                     learning_rate=1e-3, bf16=False, report_to=[], use_cpu=True, save_strategy="no", seed=0,
+                     logging_steps=1)
+    trainer = SFTTrainer(model=str(converted), args=args, train_dataset=train.select(range(8)),
+                         peft_config=lora_config())
+    with_metric_learning_rate(trainer, 2e-2)
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert losses and all(0 < loss < 10 for loss in losses)
+    gates = [p for n, p in trainer.model.named_parameters() if n.endswith("attn_gate") and p.requires_grad]
+    assert gates and max(g.abs().max().item() for g in gates) > 0  # off the graft
+    trainer.save_model(str(tmp_path / "adapter"))
+    ids = torch.tensor([[1, 504, 3500, 28, 4982, 314]])
+    trainer.model.eval()
+    with torch.no_grad():
+        expected = trainer.model(ids).logits
+        reloaded = AutoPeftModelForCausalLM.from_pretrained(tmp_path / "adapter", trust_remote_code=True).eval()
+        torch.testing.assert_close(reloaded(ids).logits, expected, rtol=1e-4, atol=1e-4)

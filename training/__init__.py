@@ -3,8 +3,8 @@
 ``modes`` (full / metric-only / LoRA), ``data`` (sources and packing), ``trainer`` (``train_model``,
 ``run_training``), ``merge`` (``merge_adapter``: a LoRA or QLoRA adapter merged into its full-precision base),
 ``checkpoints`` (checkpoints complete or absent, SIGTERM, a final model written whole), ``errors``
-(``TrainingError``, ``TrainingStopped``), ``geometry_logging``, ``publish`` and ``cli`` (``fiber-bundle train``,
-``merge`` and ``publish``).
+(``TrainingError``, ``TrainingStopped``), ``geometry_logging``, ``publish``, ``trl_recipes`` (the LoRA + metric recipe
+for TRL's trainers) and ``cli`` (``fiber-bundle train``, ``merge`` and ``publish``).
 """
 
 # first: the filters of two optional packages' notices (bitsandbytes', DeepSpeed's) must be in place before peft or
