@@ -13,7 +13,7 @@ What is timed, for every sequence length n and metric rank r (batch 4, 32 query 
 bfloat16, causal; every flag below changes one of these):
   * geodesic: ``triton_geodesic_attention(query, factors, key, value, alpha, gamma, scale)`` with the mask None
     (causal), i.e. the whole call the model makes: the O(n d r) operand preparation in PyTorch
-    (``prepare_geodesic_inputs``, ``_kernel_operands``) and the fused kernel. query, key, value (B, H, n, d) in
+    (``prepare_geodesic_inputs``, ``kernel_operands``) and the fused kernel. query, key, value (B, H, n, d) in
     bfloat16; factors (B, H, n, r, d) in float32 (the model's factors are float32: ``bounded_factors``), gates
     awake (alpha, gamma random).
   * flash: ``torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True)`` under

@@ -369,9 +369,9 @@ def check_parity(model, runner, prompt: torch.Tensor, new_tokens: int) -> dict:
 
 def calibration_prompt(folder: Path | None, vocab_size: int, tokens: int) -> torch.Tensor:
     """``tokens`` ids of the calibration text (the folder's tokenizer; seeded random ids without one)."""
-    from .verify import _calibration_ids
+    from .verify import calibration_ids
 
-    ids = _calibration_ids(lambda: load_tokenizer(folder) if folder is not None else None, vocab_size,
+    ids = calibration_ids(lambda: load_tokenizer(folder) if folder is not None else None, vocab_size,
                            max(tokens, 32))
     return ids[:, :tokens]
 

@@ -17,7 +17,7 @@ CALIBRATION_TOKENS = 384
 GREEDY_TOKENS = 32
 
 
-def _calibration_ids(tokenizer_loader, vocab_size: int, tokens: int = CALIBRATION_TOKENS) -> torch.Tensor:
+def calibration_ids(tokenizer_loader, vocab_size: int, tokens: int = CALIBRATION_TOKENS) -> torch.Tensor:
     """``tokens`` ids of calibration text from the tokenizer ``tokenizer_loader()`` returns; random ids when there is
     no usable tokenizer (tiny test checkpoints)."""
     try:
@@ -41,14 +41,14 @@ def auto_metric_rank(src, tokens: int = 256) -> tuple[int, dict]:
     from .rank import suggest_metric_rank
 
     source = _load_source(src)
-    ids = _calibration_ids(lambda: load_tokenizer(src.location), source.config.vocab_size, tokens)
+    ids = calibration_ids(lambda: load_tokenizer(src.location), source.config.vocab_size, tokens)
     return suggest_metric_rank(source, ids)
 
 
 def verify_conversion(src, folder, seconds: float) -> dict:
     """Run source and converted model on calibration text; return the conversion report (a JSON-able dict)."""
     converted = load_model(folder, head=src.head)
-    ids = _calibration_ids(lambda: load_tokenizer(folder), converted.config.vocab_size)
+    ids = calibration_ids(lambda: load_tokenizer(folder), converted.config.vocab_size)
     source = _load_source(src)  # loaded once; its eager run switches the attention implementation in place
     with torch.no_grad():
         got = converted(ids).logits

@@ -319,7 +319,7 @@ def _block_products(gq_blk, factors_blk, key_blk):
 def _block_logits(prods, shape, bias_blk, half_alpha, mask_blk: MaskTerms, diagonal: int | None = None):
     """Combine the products into scores (G_i q_i).k_j + bias_j - (alpha/2) ||U_i^T k_j||^2 and mask them.
 
-    The softmax scale is already folded into the inputs (see ``_kernel_operands``).
+    The softmax scale is already folded into the inputs (see ``kernel_operands``).
     prods (B, Hk, g*Bq + gf*Bq*r, nk); shape = (g, gf, Bq, r); bias_blk (B, Hk, g, nk); half_alpha (1, Hk, g, 1, 1);
     mask_blk and diagonal from ``_block_mask`` (its float part already in the compute dtype).
     Returns logits (B, Hk, g, Bq, nk), coords U_i^T k_j (B, Hk, gf, Bq, r, nk) and their squared norms (.., gf, Bq, nk).
@@ -374,7 +374,7 @@ def _blocked_forward(gq, factors, half_alpha, bias, key, value, mask: MaskTerms,
     return out, lse
 
 
-def _kernel_operands(query, factors, alpha, scale):
+def kernel_operands(query, factors, alpha, scale):
     """scale * G_i q_i, sqrt(scale) * U_i and alpha / 2: the blocked loop's operands, with the scale folded in.
     Why fold the scale here: these O(n d) tensors absorb it instead of every O(n * block) score tile."""
     hk, g = alpha.shape
@@ -395,7 +395,7 @@ class _BlockedGeodesicAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, factors, alpha, bias, key, value, allowed, additive, scale, block_size, dropout):
-        gq, factors_s, half_alpha, _ = _kernel_operands(query, factors, alpha, scale)
+        gq, factors_s, half_alpha, _ = kernel_operands(query, factors, alpha, scale)
         mask = MaskTerms(allowed, additive)
         out, lse = _blocked_forward(gq, factors_s, half_alpha, bias, key, value, mask, block_size, dropout)
         ctx.save_for_backward(query, factors, alpha, bias, key, value, allowed, additive, out, lse)
@@ -407,7 +407,7 @@ class _BlockedGeodesicAttention(torch.autograd.Function):
         query, factors_in, alpha, bias, key, value, allowed, additive, out, lse = ctx.saved_tensors
         scale, block_size, dropout = ctx.scale, ctx.block_size, ctx.dropout
         mask = MaskTerms(allowed, additive)
-        gq, factors, half_alpha, lifted = _kernel_operands(query, factors_in, alpha, scale)
+        gq, factors, half_alpha, lifted = kernel_operands(query, factors_in, alpha, scale)
         b, hk, g, q_len, d = gq.shape
         gf, r = factors.shape[2], factors.shape[4]
         kv_len = key.shape[2]
@@ -452,13 +452,13 @@ class _BlockedGeodesicAttention(torch.autograd.Function):
             d_gq[:, :, :, i0:i1] = d_rows[:, :, : g * bq].view(b, hk, g, bq, d)
             d_factors[:, :, :, i0:i1] = d_rows[:, :, g * bq :].view(b, hk, gf, bq, r, d)
             d_key[:, :, k0:k1] += torch.matmul(d_prods.transpose(-1, -2), rows)
-        d_query, d_factors, d_alpha = _operand_grads(query, factors_in, alpha, lifted, scale, d_gq, d_factors,
+        d_query, d_factors, d_alpha = operand_grads(query, factors_in, alpha, lifted, scale, d_gq, d_factors,
                                                      d_half_alpha)
         return d_query, d_factors, d_alpha, d_bias, d_key.to(key.dtype), d_value.to(value.dtype), *(None,) * 5
 
 
-def _operand_grads(query, factors_in, alpha, lifted, scale, d_gq, d_factors, d_half_alpha):
-    """The chain rule from the gradients of the kernel's operands (``_kernel_operands``: d/d(scale G_i q_i),
+def operand_grads(query, factors_in, alpha, lifted, scale, d_gq, d_factors, d_half_alpha):
+    """The chain rule from the gradients of the kernel's operands (``kernel_operands``: d/d(scale G_i q_i),
     d/d(sqrt(scale) U_i), d/d(alpha/2)) back to the grouped query, factors and alpha; shared by the blocked and the
     Triton backward. Shapes as in ``_BlockedGeodesicAttention``; ``lifted`` = U_i (U_i^T q_i)."""
     hk, g = alpha.shape
@@ -507,7 +507,7 @@ def prepare_geodesic_inputs(query, factors, key, alpha, gamma, scale, key_sq=Non
     return grouped_q, grouped_f, alpha.to(compute).view(hk, g), bias
 
 
-def _kernel_mask(attention_mask, q_len, kv_len, hk, g, compute) -> MaskTerms:
+def grouped_kernel_mask(attention_mask, q_len, kv_len, hk, g, compute) -> MaskTerms:
     """The mask grouped by KV head, its float part in the compute dtype."""
     mask = _grouped_mask(mask_terms(attention_mask, q_len, kv_len), hk, g)
     return mask if mask.additive is None else mask._replace(additive=mask.additive.to(compute))
@@ -548,7 +548,7 @@ def geodesic_decode_step(query, factors, key, value, alpha, gamma, scale, attent
     logits = logits.view(b, hk, g, 1, kv_len)
     mask = None
     if attention_mask is not None:
-        mask = _kernel_mask(attention_mask, 1, kv_len, hk, g, compute)
+        mask = grouped_kernel_mask(attention_mask, 1, kv_len, hk, g, compute)
         logits = apply_mask(logits, mask, mask.allowed)
     probs = torch.softmax(logits, dim=-1)
     if mask is not None:
@@ -579,12 +579,12 @@ def blocked_geodesic_attention(
     grouped_q, grouped_f, grouped_alpha, bias = prepare_geodesic_inputs(query, factors, key, alpha, gamma, scale,
                                                                         key_sq)
     b, hk, g, q_len, d = grouped_q.shape
-    mask = _kernel_mask(attention_mask, q_len, key.shape[2], hk, g, grouped_q.dtype)
+    mask = grouped_kernel_mask(attention_mask, q_len, key.shape[2], hk, g, grouped_q.dtype)
     if training:
         inputs = (grouped_q, grouped_f, grouped_alpha, bias, key, value)
         out = _BlockedGeodesicAttention.apply(*inputs, *mask, scale, block_size, dropout)
     else:  # inference (a prompt): no autograd bookkeeping, no saved tensors
-        gq, factors_s, half_alpha, _ = _kernel_operands(grouped_q, grouped_f, grouped_alpha, scale)
+        gq, factors_s, half_alpha, _ = kernel_operands(grouped_q, grouped_f, grouped_alpha, scale)
         out = _blocked_forward(gq, factors_s, half_alpha, bias, key, value, mask, block_size, dropout)[0]
     return out.to(value.dtype).view(b, hk * g, q_len, d)  # (B, Hk, g, q, d) -> (B, H, q, d)
 
@@ -596,10 +596,10 @@ def blocked_attention_probs(
     from the kernel's own block functions over every key, after dropout (the same keep-masks), differentiable.
     Arguments as ``blocked_geodesic_attention``'s. Materialises q x kv per head, as LLaMA's eager attention does."""
     grouped_q, grouped_f, grouped_alpha, bias = prepare_geodesic_inputs(query, factors, key, alpha, gamma, scale)
-    gq, factors_s, half_alpha, _ = _kernel_operands(grouped_q, grouped_f, grouped_alpha, scale)
+    gq, factors_s, half_alpha, _ = kernel_operands(grouped_q, grouped_f, grouped_alpha, scale)
     b, hk, g, q_len, _ = gq.shape
     kv_len = key.shape[2]
-    mask = _kernel_mask(attention_mask, q_len, kv_len, hk, g, gq.dtype)
+    mask = grouped_kernel_mask(attention_mask, q_len, kv_len, hk, g, gq.dtype)
     key_c = key.to(gq.dtype)
     blocks = []
     for i0, i1 in query_blocks(q_len, block_size):

@@ -2,16 +2,16 @@
 operator on the CPU (section "The C++ operator" below), each a pair of PyTorch custom operators of one schema, and the
 self-check that proves either before its first use (the last section).
 
-Same function, arguments and result as ``fiber_attention.blocked_geodesic_attention``; the operands are prepared by
-the same helpers (``prepare_geodesic_inputs``, ``_kernel_operands``, ``_kernel_mask``). Per query tile and key tile the
-Triton forward does, in one kernel, what the blocked path does with separate ops: two matmuls of the key tile with the
-tile's stacked pseudo-queries -- scale G_i q_i (one row per query) and sqrt(scale) u_i1 .. u_ir (r rows per query),
+Same function, arguments and result as ``fiber_attention.blocked_geodesic_attention``; the operands are prepared by the
+same helpers (``prepare_geodesic_inputs``, ``kernel_operands``, ``grouped_kernel_mask``). Per query tile and key tile
+the Triton forward does, in one kernel, what the blocked path does with separate ops: two matmuls of the key tile with
+the tile's stacked pseudo-queries -- scale G_i q_i (one row per query) and sqrt(scale) u_i1 .. u_ir (r rows per query),
 i.e. r + 1 query-key products per pair --, the combine lin_ij + bias_j - (alpha/2) sum_a coords_ija^2 (the blocked
 path's ``_block_logits``), the masks, an online softmax and the value product, keeping the log-sum-exp per row (as
-FlashAttention does). The backward recomputes the probabilities from it in two kernels: one per key tile (dK, dV and
-the key term's gradient, looping over the query heads of the KV group and their query tiles) and one per query tile
-(d(G q), dU and the gate's gradient); ``fiber_attention._operand_grads`` then carries them back to query, factors
-and alpha, as the blocked backward does.
+FlashAttention does). The backward recomputes the probabilities from it in two kernels: one per key tile (dK, dV and the
+key term's gradient, looping over the query heads of the KV group and their query tiles) and one per query tile (d(G q),
+dU and the gate's gradient); ``fiber_attention.operand_grads`` then carries them back to query, factors and alpha, as
+the blocked backward does.
 
 Triton is optional: this file imports without it (a Hub folder must load where it is absent; transformers' import
 check skips the try block below), and ``triton_available()`` says whether the kernel can run. The kernels run on
@@ -37,13 +37,13 @@ import torch
 from transformers.utils import logging
 
 from .fiber_attention import (
-    _kernel_mask,
-    _kernel_operands,
-    _operand_grads,
     blocked_geodesic_attention,
     bounded_factors,
     compute_dtype,
     gradients_flow,
+    grouped_kernel_mask,
+    kernel_operands,
+    operand_grads,
     prepare_geodesic_inputs,
     woodbury_precondition,
 )
@@ -513,7 +513,7 @@ def _forward(query, factors, alpha, bias, key, value, allowed, additive, scale, 
     """The forward kernel: output (compute dtype) and log-sum-exp. Arguments as ``_BlockedGeodesicAttention``'s
     (query (B, Hk, g, q, d), factors (B, Hk, gf, q, r, d), alpha (Hk, g), bias (B, Hk, g, kv) in the compute dtype;
     key, value (B, Hk, kv, d); the grouped mask parts), plus the tile sizes."""
-    gq, factors_s, half_alpha, _ = _kernel_operands(query, factors, alpha, scale)
+    gq, factors_s, half_alpha, _ = kernel_operands(query, factors, alpha, scale)
     gq, factors_s, bias = gq.contiguous(), factors_s.contiguous(), bias.contiguous()
     launch = _Launch(gq, factors_s, key, value, allowed, additive, (block_m, block_n))
     out = gq.new_empty(gq.shape)
@@ -529,7 +529,7 @@ def _forward(query, factors, alpha, bias, key, value, allowed, additive, scale, 
 def _backward(query, factors_in, alpha, bias, key, value, allowed, additive, out, lse, grad_out, scale, block_m,
               block_n):
     """The two backward kernels and the chain rule to the inputs: d query, factors, alpha, bias, key, value."""
-    gq, factors_s, half_alpha, lifted = _kernel_operands(query, factors_in, alpha, scale)
+    gq, factors_s, half_alpha, lifted = kernel_operands(query, factors_in, alpha, scale)
     gq, factors_s, half_alpha = gq.contiguous(), factors_s.contiguous(), half_alpha.contiguous()
     launch = _Launch(gq, factors_s, key, value, allowed, additive, (block_m, block_n))
     grad_out = grad_out.to(out.dtype).contiguous()
@@ -554,7 +554,7 @@ def _backward(query, factors_in, alpha, bias, key, value, allowed, additive, out
          d_half, *launch.scalars, HAS_RANGES=has_ranges, **meta)
     if factors_s.shape[2] == 1:
         d_factors = d_factors.sum(2, keepdim=True)
-    d_query, d_factors, d_alpha = _operand_grads(query, factors_in, alpha, lifted, scale, d_gq, d_factors,
+    d_query, d_factors, d_alpha = operand_grads(query, factors_in, alpha, lifted, scale, d_gq, d_factors,
                                                  d_half.sum(dim=(0, 3)))
     return d_query, d_factors, d_alpha, d_bias, d_key.to(key.dtype), d_value.to(value.dtype)
 
@@ -637,7 +637,7 @@ def triton_geodesic_attention(
     grouped_q, grouped_f, grouped_alpha, bias = prepare_geodesic_inputs(query, factors, key, alpha, gamma, scale,
                                                                         key_sq)
     b, hk, g, q_len, d = grouped_q.shape
-    mask = _kernel_mask(attention_mask, q_len, key.shape[2], hk, g, grouped_q.dtype)
+    mask = grouped_kernel_mask(attention_mask, q_len, key.shape[2], hk, g, grouped_q.dtype)
     block_m, block_n = tiles or _tiles(grouped_f.shape[4], key.dtype)
     out, _ = geodesic_forward_op(grouped_q, grouped_f, grouped_alpha, bias, key, value, *mask, scale, block_m, block_n)
     return out.to(value.dtype).view(b, hk * g, q_len, d)
@@ -1589,7 +1589,7 @@ def cpp_decode_step(query, factors, key, value, alpha, gamma, scale, attention_m
     hk, kv_len = key.shape[1], key.shape[2]
     g, gf = h // hk, factors.shape[1] // hk
     compute = compute_dtype(query.dtype, factors.dtype)
-    mask = _kernel_mask(attention_mask, 1, kv_len, hk, g, compute) if attention_mask is not None else None
+    mask = grouped_kernel_mask(attention_mask, 1, kv_len, hk, g, compute) if attention_mask is not None else None
     out = _loaded_cpu_operator().decode(
         query.to(compute).reshape(b, hk, g, 1, d).contiguous(),  # heads h = kv_head * g + j (repeat_kv's order)
         factors.to(compute).reshape(b, hk, gf, 1, factors.shape[-2], d).contiguous(),
@@ -1682,7 +1682,7 @@ def cpp_geodesic_attention(
     grouped_q, grouped_f, grouped_alpha, bias = prepare_geodesic_inputs(query, factors, key, alpha, gamma, scale,
                                                                         key_sq)
     b, hk, g, q_len, d = grouped_q.shape
-    mask = _kernel_mask(attention_mask, q_len, key.shape[2], hk, g, grouped_q.dtype)
+    mask = grouped_kernel_mask(attention_mask, q_len, key.shape[2], hk, g, grouped_q.dtype)
     block_m, block_n = tiles or CPU_TILES
     out, _ = cpp_forward_op(grouped_q, grouped_f, grouped_alpha, bias, key, value, *mask, scale, block_m, block_n)
     return out.to(value.dtype).view(b, hk * g, q_len, d)

@@ -14,7 +14,7 @@ from helpers import random_ids, run_without_project, set_gates, tiny_model, tiny
 from modeling_fiber_bundle import fused_attention
 from modeling_fiber_bundle import modeling_fiber_bundle as modeling
 from modeling_fiber_bundle.fiber_attention import (
-    _kernel_mask,
+    grouped_kernel_mask,
     blocked_geodesic_attention,
     bounded_factors,
     geodesic_decode_step,
@@ -202,7 +202,7 @@ def operator_args(mask=None, dtype=F64):
     """The forward operator's arguments for a small case (as ``cpp_geodesic_attention`` passes them)."""
     query, factors, key, value, alpha, gamma = make_inputs(b=1, h=4, hk=2, q=20, kv=20, d=16, r=2, hf=2)
     grouped = prepare_geodesic_inputs(*(t.to(dtype) for t in (query, factors, key, alpha, gamma)), 0.3)
-    masks = _kernel_mask(mask, 20, 20, 2, 2, dtype)
+    masks = grouped_kernel_mask(mask, 20, 20, 2, 2, dtype)
     tensors = [t.detach().requires_grad_(True) for t in (*grouped, key.to(dtype), value.to(dtype))]
     return (*tensors, *masks, 0.3, 8, 16)
 

@@ -199,13 +199,13 @@ def scaled_output(monkeypatch):
 
 def dropped_term(monkeypatch):
     """The kernel loses -(alpha/2)||U_i^T k_j||^2 (its operands get alpha/2 = 0); the blocked path keeps it."""
-    real = fused_attention._kernel_operands
+    real = fused_attention.kernel_operands
 
     def wrong(query, factors, alpha, scale):
         gq, factors_s, half_alpha, lifted = real(query, factors, alpha, scale)
         return gq, factors_s, torch.zeros_like(half_alpha), lifted
 
-    monkeypatch.setattr(fused_attention, "_kernel_operands", wrong)
+    monkeypatch.setattr(fused_attention, "kernel_operands", wrong)
 
 
 def launch_error(monkeypatch):

@@ -297,12 +297,12 @@ def test_benchmark_smoke_runs_and_checks_the_kernel(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------------
 def op_inputs(shared=True, mask=None, requires_grad=True):
     """The forward operator's arguments for a small causal (or masked) case, float32, on the kernel's device."""
-    from modeling_fiber_bundle.fiber_attention import _kernel_mask, prepare_geodesic_inputs
+    from modeling_fiber_bundle.fiber_attention import grouped_kernel_mask, prepare_geodesic_inputs
 
     query, factors, key, value, alpha, gamma = (x.to(DEVICE, torch.float32) for x in make_inputs(
         b=1, h=4, hk=2, q=20, kv=20, d=16, r=2, hf=2 if shared else 4))
     grouped = prepare_geodesic_inputs(query, factors, key, alpha, gamma, 0.3)
-    masks = _kernel_mask(mask, 20, 20, 2, 2, torch.float32)
+    masks = grouped_kernel_mask(mask, 20, 20, 2, 2, torch.float32)
     tensors = [t.detach().requires_grad_(requires_grad) for t in (*grouped, key, value)]
     return (*tensors, *masks, 0.3, 16, 16)
 
