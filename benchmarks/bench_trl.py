@@ -40,7 +40,7 @@ warnings.filterwarnings("ignore", message="`[a-z_]*gradient_checkpointing[a-z_]*
 
 
 def quick_folder(work: Path) -> Path:
-    """A tiny LLaMA converted to a Fiber Bundle folder, with a word tokenizer's stand-in: SmolLM2's tokenizer."""
+    """A tiny random LLaMA of SmolLM2's vocabulary, with its tokenizer, converted to a Fiber Bundle folder."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from fiber_bundle.conversion import convert_checkpoint

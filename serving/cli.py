@@ -2,6 +2,8 @@
 
 import argparse
 
+from .server import CPU_CACHE_TOKENS, CPU_MAX_BATCH_TOKENS
+
 
 def serve_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -23,8 +25,8 @@ def serve_parser() -> argparse.ArgumentParser:
                         help="share one forward between concurrent requests over a paged KV cache (transformers' "
                              "ContinuousBatchingManager; tune with --cb-* options). On a CPU, unless a "
                              "--cb-num-blocks, --cb-max-memory-percent or --cb-max-batch-tokens option is given, the "
-                             "cache holds 16384 "
-                             "tokens and a forward at most 2048 (transformers would reserve 90%% of the RAM)")
+                             f"cache holds {CPU_CACHE_TOKENS} tokens and a forward at most {CPU_MAX_BATCH_TOKENS} "
+                             "(transformers would reserve 90%% of the RAM)")
     parser.add_argument("--dtype", default="auto",
                         help="the weights' dtype: auto (as saved), float32, bfloat16 or float16 (default: auto)")
     parser.add_argument("--compile", action="store_true", help="compile the model's forward with torch.compile")

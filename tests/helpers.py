@@ -87,6 +87,29 @@ def set_gates(model, alpha=0.7, gamma=0.4, beta=0.5, noise=0.3, seed=1):
     return model
 
 
+def awake_model(dtype=torch.float64, seed=0, **overrides) -> FiberBundleForCausalLM:
+    """A tiny model with every gate and factor generator moved off the graft (at the graft the model computes its
+    backbone's function, which a path that ignored the metric would reproduce)."""
+    model = set_gates(tiny_model(seed=seed, dtype=dtype, **overrides))
+    with torch.no_grad():
+        for p in model.geometry_parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def decisive_geometry(seed=0) -> FiberBundleForCausalLM:
+    """A tiny float32 model whose geometry decides its greedy tokens: strong gates, and factors near the bounded map's
+    limit, so that each token's metric and the factors' turn by its own position change what it generates (used where
+    a test compares tokens, not logits)."""
+    model = set_gates(tiny_model(seed=seed, dtype=torch.float32), alpha=4.0, gamma=1.0)
+    with torch.no_grad():
+        for p in model.geometry_parameters():
+            p.add_(0.1 * torch.randn_like(p))
+        for layer in model.model.layers:
+            layer.fiber.attn_factor_proj.weight.mul_(30.0)
+    return model
+
+
 def random_ids(batch, length, vocab=TINY["vocab_size"], seed=0, low=3):
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(low, vocab, (batch, length), generator=gen)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers.testing_utils import CaptureLogger
 
-from helpers import random_ids, run_without_project, set_gates, tiny_model, tiny_tokenizer
+from helpers import awake_model, random_ids, run_without_project, tiny_tokenizer
 from modeling_fiber_bundle import fused_attention
 from modeling_fiber_bundle import modeling_fiber_bundle as modeling
 from modeling_fiber_bundle.fiber_attention import (
@@ -272,14 +272,6 @@ def operator_calls(monkeypatch):
 
     monkeypatch.setattr(modeling, "cpp_geodesic_attention", spy)
     return calls
-
-
-def awake_model(dtype=F64, kernel="auto", **overrides):
-    model = set_gates(tiny_model(dtype=dtype, fiber_attention_kernel=kernel, **overrides))
-    with torch.no_grad():
-        for p in model.geometry_parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return model
 
 
 def step(model, kernel):

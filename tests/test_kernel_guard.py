@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from helpers import random_ids, set_gates, tiny_model  # noqa: E402
+from helpers import awake_model, random_ids  # noqa: E402
 from modeling_fiber_bundle import modeling_fiber_bundle as modeling  # noqa: E402
 from modeling_fiber_bundle import fused_attention  # noqa: E402
 from modeling_fiber_bundle.fused_attention import KernelSignature, check_kernel, kernel_tolerances  # noqa: E402
@@ -65,12 +65,8 @@ def kernel_calls(monkeypatch):
     return calls
 
 
-def awake_model(kernel="auto"):
-    model = set_gates(tiny_model(dtype=torch.float32, fiber_attention_kernel=kernel)).to(DEVICE)
-    with torch.no_grad():
-        for p in model.geometry_parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return model
+def awake_on_device(kernel="auto"):
+    return awake_model(torch.float32, fiber_attention_kernel=kernel).to(DEVICE)
 
 
 def batch():
@@ -149,7 +145,7 @@ def test_a_cuda_signature_is_keyed_and_named_by_its_compute_capability(auto_here
 def test_a_passing_kernel_is_checked_once_per_signature_and_then_used(auto_here, kernel_calls):
     """Two inference calls and two training steps on a left-padded batch: one check per signature (inference, then
     training), none on the second call of each; every layer runs the kernel; the result equals the blocked path's."""
-    model = awake_model()
+    model = awake_on_device()
     ids, attention_mask = batch()
     layers = model.config.num_hidden_layers
     with warnings.catch_warnings():
@@ -240,7 +236,7 @@ def test_a_wrong_kernel_is_caught_warned_about_once_and_replaced_by_the_blocked_
     path's ("pytorch"). A gradient-only fault passes the inference check and is caught by the training one."""
     make_fault, detail = FAULTS[fault]
     make_fault(monkeypatch)
-    model = awake_model()
+    model = awake_on_device()
     ids, attention_mask = batch()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -269,7 +265,7 @@ def test_triton_skips_the_check_and_pytorch_never_runs_the_kernel(auto_here, ker
     """With a wrong kernel: "triton" runs it without a check or a warning (the user's explicit choice; its output is
     the wrong kernel's), "pytorch" never runs it nor checks it."""
     scaled_output(monkeypatch)
-    model = awake_model(kernel="triton")
+    model = awake_on_device(kernel="triton")
     ids, attention_mask = batch()
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
@@ -296,7 +292,7 @@ def test_a_compiled_forward_takes_the_decision_outside_the_graph(fault, auto_her
     if fault:
         FAULTS[fault][0](monkeypatch)
     torch.compiler.reset()
-    model = awake_model()
+    model = awake_on_device()
     ids, attention_mask = batch()
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(model, fullgraph=True, backend=counter)

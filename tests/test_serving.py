@@ -16,20 +16,7 @@ from transformers import GenerationConfig
 
 from fiber_bundle.serving import server
 from fiber_bundle.serving.server import ServeError, check_model, serve_arguments
-from helpers import random_ids, set_gates, tiny_model, tiny_tokenizer
-
-
-def awake_model(seed=0):
-    """A tiny float32 model with its geometry far from the graft (at the graft it is its backbone, and a q.k path would
-    pass every test here): strong gates, and factors near the bounded map's limit, so that each token's metric and the
-    factors' turn by its own position decide the greedy tokens."""
-    model = set_gates(tiny_model(seed=seed, dtype=torch.float32), alpha=4.0, gamma=1.0)
-    with torch.no_grad():
-        for p in model.geometry_parameters():
-            p.add_(0.1 * torch.randn_like(p))
-        for layer in model.model.layers:
-            layer.fiber.attn_factor_proj.weight.mul_(30.0)
-    return model
+from helpers import decisive_geometry, random_ids, tiny_tokenizer
 
 
 def small_cache(**options):
@@ -56,7 +43,7 @@ def test_continuous_batching_gives_each_request_its_tokens_alone():
     """Three prompts of different lengths batched by transformers' ContinuousBatchingManager (packed tokens, the
     additive block mask, positions restarting per request, keys gathered from the paged cache) get exactly the greedy
     tokens ``generate`` gives each alone, each with its log-probability alone within float32 tolerance."""
-    model = awake_model().eval()
+    model = decisive_geometry().eval()
     prompts = [random_ids(1, n, seed=n)[0].tolist() for n in (5, 11, 17)]
     expected, expected_logprobs = [], []
     for ids in prompts:
@@ -112,7 +99,7 @@ def test_each_attention_path_reads_the_paged_cache_correctly(monkeypatch, attent
         if fused_attention.triton is None or os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("Triton's interpreter is not set up (conftest.py sets TRITON_INTERPRET=1)")
         monkeypatch.setattr(fused_attention, "auto_device", lambda query: True)
-    model = awake_model().eval()
+    model = decisive_geometry().eval()
     model.config.fiber_attention_kernel = setting
     config = GenerationConfig(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0, eos_token_id=None)
     for lengths in ((9,), (5, 11, 17)):  # one request alone (one-row decoding steps), then three of different lengths
@@ -243,7 +230,7 @@ def test_the_server_answers_concurrent_streamed_chats_with_generates_tokens(tmp_
     and the server answers on; SIGTERM stops it with exit code 0."""
     import openai
 
-    model = awake_model()
+    model = decisive_geometry()
     tokenizer = tiny_tokenizer(model.config.vocab_size)
     folder = tmp_path / "model"
     model.save_pretrained(folder)
@@ -258,15 +245,8 @@ def test_the_server_answers_concurrent_streamed_chats_with_generates_tokens(tmp_
                              pad_token_id=0)
         expected.append(tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))
 
-    port = free_port()
-    command = [sys.executable, "-m", "fiber_bundle.cli", "serve", str(folder), "--port", str(port),
-               "--dtype", "float32", "--log-level", "warning"]
-    if continuous_batching:
-        command.append("--continuous-batching")
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    process, port = start_server(folder, *(["--continuous-batching"] if continuous_batching else []))
     try:
-        wait_until_healthy(port, process)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
 
         def chat(messages):
@@ -340,7 +320,7 @@ def test_clients_that_disconnect_mid_stream_leave_nothing_behind(tmp_path, conti
     streams in flight: the server finishes or aborts them and exits 0."""
     import openai
 
-    model = awake_model()
+    model = decisive_geometry()
     model.generation_config.eos_token_id = None  # every answer runs to max_tokens
     tokenizer = tiny_tokenizer(model.config.vocab_size)
     folder = tmp_path / "model"
@@ -401,7 +381,7 @@ def test_packed_requests_get_each_requests_logits_alone():
     """The packed layout continuous batching hands the model, in one forward: three prompts in one row, positions
     restarting per prompt (the block-diagonal mask built from them), each prompt's logits within float32 tolerance of
     its forward alone; each token's factors turn by its own position."""
-    model = awake_model().eval()
+    model = decisive_geometry().eval()
     prompts = [random_ids(1, n, seed=n)[0] for n in (5, 11, 17)]
     packed = torch.cat(prompts)[None]
     positions = torch.cat([torch.arange(len(p)) for p in prompts])[None]

@@ -5,7 +5,7 @@ backbone, and a computation that ignored the metric would pass)."""
 import pytest
 import torch
 
-from helpers import set_gates, tiny_model, tiny_tokenizer
+from helpers import awake_model, decisive_geometry, tiny_tokenizer
 
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
@@ -19,15 +19,6 @@ from fiber_bundle.training.trl_recipes import lora_config, with_metric_learning_
 # gradient_checkpointing_disable around its reference and generation forwards, and PEFT 0.21 reads
 # is_gradient_checkpointing. Theirs to fix; the aliases still apply.
 pytestmark = pytest.mark.filterwarnings("ignore:`[a-z_]*gradient_checkpointing[a-z_]*` is deprecated:FutureWarning")
-
-
-def awake_model(dtype=torch.float64, seed=0):
-    """A tiny model with every gate and factor generator moved off the graft."""
-    model = set_gates(tiny_model(seed=seed, dtype=dtype))
-    with torch.no_grad():
-        for p in model.geometry_parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return model
 
 
 def text_dataset(n=12, seed=0):
@@ -305,8 +296,6 @@ def test_grpo_generates_the_same_greedy_completions_through_generate_and_continu
     cache, packed requests) gives the same greedy completions; a step runs with either; its log-probabilities of the
     last ``logits_to_keep`` positions equal the full forward's, and the model's own ``logits_to_keep`` slices the same
     logits."""
-    from test_serving import awake_model as decisive_geometry  # factors near their bound: they decide greedy tokens
-
     model = decisive_geometry()
     tokenizer = tiny_tokenizer()
     folder = tmp_path / "base"
@@ -399,8 +388,6 @@ def test_the_documented_recipes_run(tmp_path, monkeypatch):
 
     recipes = trl_recipes()
     assert len(recipes) == 3 and all("out/smollm2-fbt-metric" in code for code in recipes)
-    from test_serving import awake_model as decisive_geometry
-
     out = tmp_path / "out"
     model, tokenizer = decisive_geometry(), tiny_tokenizer()
     model.save_pretrained(out / "smollm2-fbt-metric")
