@@ -5,7 +5,7 @@ Every backbone tensor is copied unchanged (names mapped by ``weight_maps``), the
 at their graft values (gates 0, random bounded factor generators), and the result is a Hub folder (docs/design.md
 section 3). The source is read one shard at a time and the output written one shard at a time, so peak memory stays
 near the largest shard; everything is written into a temporary folder beside OUTPUT and renamed into place only when
-complete.
+complete (``folders.staged_folder``).
 """
 
 import gc
@@ -26,6 +26,7 @@ from fiber_bundle.model_cards import card_license, framework_versions, public_na
 from modeling_fiber_bundle import FiberBundleConfig, FiberBundlePreTrainedModel
 from modeling_fiber_bundle import modeling_fiber_bundle as modeling
 
+from .folders import require_new_or_empty, staged_folder
 from .hub import write_config_and_code
 from .sources import ConversionError, Source, fiber_class, load_tokenizer, open_source
 from .weight_maps import LAYER_PATTERN, weight_map
@@ -195,9 +196,7 @@ def convert_checkpoint(
     """
     started = time.perf_counter()
     output = Path(output)
-    if output.exists() and (not output.is_dir() or any(output.iterdir())) and not overwrite:
-        raise ConversionError(f"OUTPUT {output} exists and is not empty; pass --overwrite to replace it, or choose "
-                              "another folder.")
+    require_new_or_empty(output, overwrite, ConversionError)
     if dtype is not None and dtype not in DTYPES:
         raise ConversionError(f"--dtype {dtype!r} is not one of {sorted(DTYPES)}.")
     max_bytes = parse_size(max_shard_size)
@@ -217,11 +216,7 @@ def convert_checkpoint(
     if target_dtype is not None:
         config.dtype = target_dtype
 
-    output.parent.mkdir(parents=True, exist_ok=True)
-    staging = output.parent / f".{output.name}.converting-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    try:
+    with staged_folder(output, "converting") as staging:
         _write_folder(src, config, staging, max_bytes, target_dtype, seed, show_progress)
         report = None
         fp32_bytes = 4 * sum(src.shard_bytes) // _bytes_per_value(src)  # the backbone in float32
@@ -243,10 +238,6 @@ def convert_checkpoint(
         if "parity" in report and not report["parity"]["passed"]:
             raise ConversionError(f"parity check failed: {report['parity']['summary']}")
         render_card(staging, name=output.name, license=report["source"]["license"])
-        replace_folder(staging, output)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)  # nothing half-written is left behind, whatever happened
-        raise
     return ConversionResult(output, config, src.family, time.perf_counter() - started, report)
 
 
@@ -368,15 +359,3 @@ def _hub_id(src: Source) -> str | None:
         return named
     return None
 
-
-def replace_folder(staging: Path, output: Path):
-    """Move the finished folder ``staging`` into place at ``output`` (same file system); an existing ``output`` is
-    renamed aside to ``.{name}.replaced-{pid}`` first and removed only after that (training's write of its final model
-    uses this too)."""
-    backup = None
-    if output.exists():
-        backup = output.parent / f".{output.name}.replaced-{os.getpid()}"
-        output.rename(backup)
-    staging.rename(output)
-    if backup is not None:
-        shutil.rmtree(backup, ignore_errors=True)

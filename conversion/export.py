@@ -31,8 +31,10 @@ from pathlib import Path
 
 import torch
 
-from .convert import TOKENIZER_FILES, replace_folder
-from .sources import ConversionError, is_fiber_bundle_folder, load_model, load_tokenizer
+from .convert import TOKENIZER_FILES
+from .folders import require_new_or_empty, staged_folder
+from .sources import ConversionError, is_fiber_bundle_folder, load_model
+from .verify import calibration_ids
 
 
 class ExportError(ConversionError):
@@ -110,9 +112,7 @@ def export_model(
         raise ExportError("export runs in one process: a tensor-parallel (or otherwise distributed) model cannot be "
                           "exported. Run fiber-bundle export without torchrun; the program holds the whole model.")
     output = Path(output)
-    if output.exists() and (not output.is_dir() or any(output.iterdir())) and not overwrite:
-        raise ExportError(f"OUTPUT {output} exists and is not empty; pass --overwrite to replace it, or choose another "
-                          "folder.")
+    require_new_or_empty(output, overwrite, ExportError)
     if verify and prompt_tokens + new_tokens > max_cache_len and not spec.dynamic_length:
         raise ExportError(f"the check needs {prompt_tokens + new_tokens} positions but --max-cache-len is "
                           f"{max_cache_len}: raise --max-cache-len.")
@@ -122,11 +122,7 @@ def export_model(
     if chunk < 1:
         raise ExportError(f"--prefill-chunk must be at least 1, got {chunk}.")
 
-    output.parent.mkdir(parents=True, exist_ok=True)
-    staging = output.parent / f".{output.name}.exporting-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    try:
+    with staged_folder(output, "exporting") as staging:
         path = staging / spec.file
         exporting = time.perf_counter()
         if format == "onnx":
@@ -147,7 +143,7 @@ def export_model(
                   "not_in_the_program": ["sampling (the program returns logits: sample in your loop)",
                                          "batching (batch size 1)", "tensor parallelism (one process)"]}
         if verify:
-            ids = calibration_prompt(folder, model.config.vocab_size, prompt_tokens)
+            ids = calibration_ids(folder, model.config.vocab_size, prompt_tokens)
             report["parity"] = check_parity(model, RUNNERS[format](path, model.config, chunk), ids, new_tokens)
         report["peak_memory_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (
             1024 if sys.platform != "darwin" else 1024**2)
@@ -157,10 +153,6 @@ def export_model(
         if verify and not report["parity"]["passed"]:
             raise ExportError(f"parity check failed: {report['parity']['summary']}")
         _copy_assets(folder, model, staging)
-        replace_folder(staging, output)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)  # nothing half-written is left behind, whatever happened
-        raise
     return ExportResult(output, format, time.perf_counter() - started, report)
 
 
@@ -365,15 +357,6 @@ def check_parity(model, runner, prompt: torch.Tensor, new_tokens: int) -> dict:
             "program_seconds": seconds,
             "summary": f"prompt logits max |d| {diff:.3g} (bound {bound:.3g}), greedy tokens {agree:.0%} equal to "
                        f"generate's over {new_tokens}"}
-
-
-def calibration_prompt(folder: Path | None, vocab_size: int, tokens: int) -> torch.Tensor:
-    """``tokens`` ids of the calibration text (the folder's tokenizer; seeded random ids without one)."""
-    from .verify import calibration_ids
-
-    ids = calibration_ids(lambda: load_tokenizer(folder) if folder is not None else None, vocab_size,
-                           max(tokens, 32))
-    return ids[:, :tokens]
 
 
 # ----------------------------------------------------------------------------------------------------------------------

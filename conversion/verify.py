@@ -8,26 +8,33 @@ generate, so has no greedy check).
 
 import resource
 import sys
+from pathlib import Path
 
 import torch
 
-from .sources import calibration_text, load_model, load_tokenizer
+from .sources import Location, calibration_text, load_model, load_tokenizer
 
 CALIBRATION_TOKENS = 384
 GREEDY_TOKENS = 32
+MIN_TEXT_TOKENS = 32  # fewer ids than this from a tokenizer: not a real one (a tiny test tokenizer)
 
 
-def calibration_ids(tokenizer_loader, vocab_size: int, tokens: int = CALIBRATION_TOKENS) -> torch.Tensor:
-    """``tokens`` ids of calibration text from the tokenizer ``tokenizer_loader()`` returns; random ids when there is
-    no usable tokenizer (tiny test checkpoints)."""
+def calibration_ids(tokenizer: str | Path | Location | None, vocab_size: int,
+                    tokens: int = CALIBRATION_TOKENS) -> torch.Tensor:
+    """The first ``tokens`` ids (shape (1, tokens)) of the calibration text read by the tokenizer at ``tokenizer``
+    (what ``load_tokenizer`` takes); seeded random ids when there is none, it does not load, or it yields fewer than
+    ``MIN_TEXT_TOKENS`` (tiny test checkpoints). Conversion's parity check, ``--metric-rank auto`` and export's check
+    all read their prompt here."""
+    drawn = max(tokens, MIN_TEXT_TOKENS)  # why: a shorter prompt is the head of a usable text, not random ids
     try:
-        ids = tokenizer_loader()(calibration_text()[:20000], return_tensors="pt").input_ids[:, :tokens]
-        if ids.shape[1] >= 32:
-            return ids
-    except (OSError, ValueError, TypeError):
+        if tokenizer is not None:
+            ids = load_tokenizer(tokenizer)(calibration_text()[:20000], return_tensors="pt").input_ids[:, :drawn]
+            if ids.shape[1] >= MIN_TEXT_TOKENS:
+                return ids[:, :tokens]
+    except (OSError, ValueError, TypeError):  # no usable tokenizer in the folder
         pass
     generator = torch.Generator().manual_seed(0)
-    return torch.randint(0, vocab_size, (1, tokens), generator=generator)
+    return torch.randint(0, vocab_size, (1, drawn), generator=generator)[:, :tokens]
 
 
 def _load_source(src):
@@ -41,14 +48,14 @@ def auto_metric_rank(src, tokens: int = 256) -> tuple[int, dict]:
     from .rank import suggest_metric_rank
 
     source = _load_source(src)
-    ids = calibration_ids(lambda: load_tokenizer(src.location), source.config.vocab_size, tokens)
+    ids = calibration_ids(src.location, source.config.vocab_size, tokens)
     return suggest_metric_rank(source, ids)
 
 
 def verify_conversion(src, folder, seconds: float) -> dict:
     """Run source and converted model on calibration text; return the conversion report (a JSON-able dict)."""
     converted = load_model(folder, head=src.head)
-    ids = calibration_ids(lambda: load_tokenizer(folder), converted.config.vocab_size)
+    ids = calibration_ids(folder, converted.config.vocab_size)
     source = _load_source(src)  # loaded once; its eager run switches the attention implementation in place
     with torch.no_grad():
         got = converted(ids).logits

@@ -4,6 +4,7 @@ own runtime against the eager model (docs/deployment.md)."""
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -192,6 +193,77 @@ def test_a_failed_parity_check_writes_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(export_module, "parity_bound", lambda reference: -1.0)
     with pytest.raises(export_module.ExportError, match="parity check failed: prompt logits max"):
         export_module.export_model(folder, out, overwrite=True, max_cache_len=48)
+    assert [p.name for p in out.iterdir()] == ["old.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "out"]
+
+
+class EagerRunner:
+    """The interface export's check runs a written program through (``StaticCacheRunner``, ``OnnxRunner``), made of
+    the eager model itself: each call recomputes the whole sequence so far, so its logits are the model's."""
+
+    def __init__(self, model):
+        self.model, self.ids = model, None
+
+    def reset(self) -> None:
+        self.ids = None
+
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        self.ids = ids
+        with torch.no_grad():
+            return self.model(ids, use_cache=False).logits
+
+    def step(self, token: torch.Tensor, position: int) -> torch.Tensor:
+        assert position == self.ids.shape[1]  # each new token at its own position
+        self.ids = torch.cat([self.ids, token], dim=1)
+        with torch.no_grad():
+            return self.model(self.ids, use_cache=False).logits[:, -1:]
+
+
+class WrongSteps:
+    """A program whose prompt logits are right and whose decoding steps are wrong: ``runner``'s step logits moved by
+    one id, so from the second new token on its greedy choice is never the model's."""
+
+    def __init__(self, runner):
+        self.runner = runner
+
+    def reset(self) -> None:
+        self.runner.reset()
+
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.runner.prefill(ids)
+
+    def step(self, token: torch.Tensor, position: int) -> torch.Tensor:
+        return self.runner.step(token, position).roll(1, dims=-1)
+
+
+def test_the_check_compares_the_decoding_steps_not_only_the_prompt():
+    """``check_parity`` passes the eager model run as a program and fails one whose prompt logits are exact (difference
+    0, within the bound) but whose decoding steps choose other tokens: the prompt logits alone would pass it."""
+    from fiber_bundle.conversion.export import check_parity
+
+    model, prompt = set_gates(tiny_model(dtype=torch.float32)).eval(), random_ids(1, 10)
+    assert check_parity(model, EagerRunner(model), prompt, 8)["passed"]
+    report = check_parity(model, WrongSteps(EagerRunner(model)), prompt, 8)
+    assert report["max_abs_logit_diff"] == 0.0 <= report["bound"] and report["greedy_agreement"] < 1.0
+    assert not report["passed"]
+
+
+def test_a_program_with_wrong_decoding_steps_is_not_written(tmp_path, monkeypatch):
+    """The written model.pt2 run with its decoding steps' logits moved by one id (its prompt logits untouched): the
+    export fails on the greedy tokens, OUTPUT keeps its old contents and no staging folder is left."""
+    from fiber_bundle.conversion import export as export_module
+
+    folder, out = model_folder(tmp_path), tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    real = export_module.RUNNERS["exported-program"]
+    monkeypatch.setitem(export_module.RUNNERS, "exported-program",
+                        lambda path, config, chunk: WrongSteps(real(path, config, chunk)))
+    with pytest.raises(export_module.ExportError, match="parity check failed") as raised:
+        export_module.export_model(folder, out, overwrite=True, max_cache_len=48, prompt_tokens=10, new_tokens=8)
+    found = re.search(r"prompt logits max \|d\| (\S+) \(bound (\S+)\), greedy tokens (\d+)% equal", str(raised.value))
+    diff, bound, agreement = float(found[1]), float(found[2]), int(found[3])
+    assert diff <= bound and agreement < 100  # only the decoding steps are wrong
     assert [p.name for p in out.iterdir()] == ["old.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "out"]
 

@@ -10,7 +10,8 @@ is written whole and never replaces an existing one unasked.
   raises ``TrainingStopped``; a second SIGTERM stops at once, losing the steps since the last checkpoint.
 * ``prepare_output`` / ``write_output``: OUTPUT of ``run_training`` (the final model, with the run's checkpoints in
   ``OUTPUT/checkpoints``) is refused when it holds anything but those checkpoints, unless overwrite; the final model
-  is written into a staging folder beside OUTPUT and renamed into place when complete, as conversion writes.
+  is written into a staging folder beside OUTPUT and renamed into place when complete, through the writer conversion
+  and export use (``fiber_bundle.conversion.folders.staged_folder``).
 
 One run writes into one OUTPUT at a time.
 """
@@ -19,7 +20,6 @@ import contextlib
 import glob
 import json
 import logging
-import os
 import re
 import shutil
 import signal
@@ -30,7 +30,8 @@ import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from fiber_bundle.conversion.convert import replace_folder
+from fiber_bundle.conversion.folders import (fsync_tree, replace_folder, settle_replacements, staged_folder,
+                                             staging_folders)
 
 from .errors import TrainingError, TrainingStopped, describe
 
@@ -38,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"  # run_training's checkpoint folder inside OUTPUT
 STAGING = ".staging"  # inside a Trainer's output_dir: where a checkpoint is written before it is renamed into place
+SAVING = "saving"  # the purpose in the name of write_output's staging folder beside OUTPUT (.{name}.saving-{pid})
 TRAINER_STATE = "trainer_state.json"  # the last file the Trainer writes into a checkpoint
 MODEL_FILES = ("config.json", "adapter_config.json")  # what makes a folder look like a model
 _CHECKPOINT_NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
@@ -79,18 +81,6 @@ def resume_hint(folder) -> str:
     return f"run the same command with --resume (resume_from_checkpoint=True) to continue from {newest}"
 
 
-def _settle_replacements(parent: Path, pattern: str) -> None:
-    """Finish what a kill cut off in ``replace_folder``: a ``.{name}.replaced-*`` copy (``name`` matching the glob
-    ``pattern``) whose folder is there again is removed; one whose folder is missing (the kill fell between the two
-    renames) becomes that folder again."""
-    for backup in parent.glob(f".{pattern}.replaced-*"):
-        target = parent / backup.name[1:].rsplit(".replaced-", 1)[0]
-        if target.exists():
-            shutil.rmtree(backup, ignore_errors=True)
-        else:
-            backup.rename(target)
-
-
 def set_aside_partial_writes(folder) -> list[str]:
     """Clear what a killed run left in a Trainer's checkpoint folder: the staging folder (checkpoints never completed)
     is removed, and torn ``checkpoint-N`` folders are renamed ``.checkpoint-N.torn`` (kept for inspection, out of sight
@@ -105,7 +95,7 @@ def set_aside_partial_writes(folder) -> list[str]:
         shutil.rmtree(staged)
         if names:
             notes.append(f"removed the unfinished {', '.join(names)} in {staged} (a write cut off by a kill)")
-    _settle_replacements(folder, f"{PREFIX_CHECKPOINT_DIR}-*")
+    settle_replacements(folder, f"{PREFIX_CHECKPOINT_DIR}-*")
     for checkpoint in checkpoints_in(folder):
         reason = torn_reason(checkpoint)
         if reason is not None:
@@ -114,24 +104,6 @@ def set_aside_partial_writes(folder) -> list[str]:
             checkpoint.rename(aside)
             notes.append(f"ignoring the torn checkpoint {checkpoint} ({reason}); moved it to {aside}")
     return notes
-
-
-def fsync_tree(folder: Path) -> None:
-    """Flush every file under ``folder`` to disk (and the folders, where the file system allows), so that a rename
-    publishes complete data even across a power loss."""
-    for root, _, files in os.walk(folder):
-        for name in files:
-            _fsync(Path(root) / name)
-        with contextlib.suppress(OSError):  # some file systems refuse to fsync a folder
-            _fsync(Path(root))
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -214,8 +186,6 @@ class StagedCheckpointTrainer(Trainer):
                 replace_folder(staged, final)
                 with contextlib.suppress(OSError):
                     staged.parent.rmdir()  # empty again (another process's leftovers stay until the next start)
-                with contextlib.suppress(OSError):
-                    _fsync(run_dir)
         except BaseException as error:
             if self.args.should_save:
                 shutil.rmtree(staged, ignore_errors=True)
@@ -302,8 +272,8 @@ def start_again(output) -> None:
 def _recover_interrupted_write(output: Path) -> None:
     """``write_output`` moves the run's checkpoints into its staging folder and renames that into place; a kill
     between those renames is undone here: the previous OUTPUT and the checkpoints come back where they were."""
-    _settle_replacements(output.parent, glob.escape(output.name))
-    for staging in output.parent.glob(f".{glob.escape(output.name)}.saving-*"):
+    settle_replacements(output.parent, glob.escape(output.name))
+    for staging in staging_folders(output, SAVING):
         kept = staging / CHECKPOINTS
         if kept.is_dir() and not (output / CHECKPOINTS).exists():
             output.mkdir(parents=True, exist_ok=True)
@@ -315,30 +285,15 @@ def _recover_interrupted_write(output: Path) -> None:
 def write_output(output, write) -> None:
     """Write a run's final model: ``write(folder)`` fills a staging folder beside OUTPUT; when that is complete (and
     on disk) the run's ``checkpoints/`` moves into it and it is renamed into place as OUTPUT, a previous OUTPUT
-    (allowed by ``prepare_output``) being removed only after that. A failure (a full disk, an interrupt) leaves OUTPUT
-    as it was, with its checkpoints; a ``write`` that fails raises ``TrainingError`` saying what a rerun does."""
+    (allowed by ``prepare_output``) being removed only after that (``folders.staged_folder``). A failure (a full disk,
+    an interrupt) leaves OUTPUT as it was, with its checkpoints; a ``write`` that fails raises ``TrainingError`` saying
+    what a rerun does."""
     output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    staging = output.parent / f".{output.name}.saving-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    checkpoints, kept = output / CHECKPOINTS, staging / CHECKPOINTS
-    try:
-        try:
-            write(staging)
-            fsync_tree(staging)
-        except Exception as error:
-            raise TrainingError(f"could not write the trained model ({describe(error)}); OUTPUT {output} holds no new "
-                                f"model and nothing it held was changed. Free space (or fix the cause), then "
-                                f"{resume_hint(checkpoints)}.") from error
-        if checkpoints.is_dir():
-            checkpoints.rename(kept)
-        replace_folder(staging, output)
-        with contextlib.suppress(OSError):
-            _fsync(output.parent)
-    except BaseException:
-        if kept.is_dir() and not checkpoints.exists():
-            output.mkdir(exist_ok=True)
-            kept.rename(checkpoints)
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+
+    def failed(error: Exception) -> TrainingError:
+        return TrainingError(f"could not write the trained model ({describe(error)}); OUTPUT {output} holds no new "
+                             f"model and nothing it held was changed. Free space (or fix the cause), then "
+                             f"{resume_hint(output / CHECKPOINTS)}.")
+
+    with staged_folder(output, SAVING, carry=CHECKPOINTS, write_error=failed) as staging:
+        write(staging)

@@ -5,16 +5,19 @@ import json
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import Trainer, TrainingArguments, default_data_collator, set_seed
+from datasets import Dataset
+from transformers import (PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainingArguments,
+                          default_data_collator, set_seed)
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from fiber_bundle.model_cards import framework_versions, hardware, public_name, render_card
 
 from .arguments import FiberBundleTrainingArguments
-from .checkpoints import CHECKPOINTS
+from .checkpoints import CHECKPOINTS, prepare_output, start_again, write_output
 from .errors import TrainingError, describe
 from .geometry_logging import GeometryLoggingTrainer, geometry_by_layer
 from .modes import is_geometry_parameter, prepare_for_training
@@ -188,16 +191,34 @@ def run_training(model_path: str | Path | None, output: str | Path, args: FiberB
     Raises ``TrainingError`` (bad options or data, an existing ``output``, a mode this model cannot train, a full
     disk, ...) before the model is loaded wherever the check does not need it, and ``TrainingStopped`` on SIGTERM.
     """
-    from transformers import AutoTokenizer
-
-    from modeling_fiber_bundle import FiberBundleConfig, FiberBundleForCausalLM
-
-    from .checkpoints import prepare_output, start_again, write_output
-    from .data import is_named_corpus, load_source, named_corpus, training_blocks
-    from .modes import mode_problem
-
     output = Path(output)
-    args = copy.copy(training_arguments(args, **fields))  # the caller's keeps its output_dir
+    args = run_arguments(model_path, output, training_arguments(args, **fields))
+    earlier_checkpoints = prepare_output(output, overwrite=args.overwrite, resume=bool(args.checkpoint_to_resume))
+    config, tokenizer = config_and_tokenizer(model_path, args)
+    quantization = checked_quantization(args, config)
+    data = training_data(args, tokenizer)
+    model = model_to_train(model_path, args, config, quantization)
+    with args.main_process_first(local=False, desc="removing the earlier run's checkpoints"):
+        if earlier_checkpoints and args.process_index == 0:  # every check has passed: only now are they removed
+            start_again(output)
+    trainer = build_trainer(model, data.train, args, eval_dataset=data.eval)
+    outcome, train_seconds = train_and_evaluate(trainer, evaluate=data.eval is not None)
+    final = trained_model(trainer)  # every process calls it (ZeRO-3 gathers); None but on the main process
+    if final is None:  # another process of a distributed run: the main process writes OUTPUT
+        trainer.accelerator.wait_for_everyone()
+        return {**outcome, "output": str(output)}
+    metrics = training_metrics(args, trainer, model, final, config, model_path=model_path, data=data, outcome=outcome,
+                               train_seconds=train_seconds)
+    save_run(output, trainer, final, tokenizer, model_path=model_path, metrics=metrics)
+    trainer.accelerator.wait_for_everyone()
+    return {**metrics, "output": str(output)}
+
+
+def run_arguments(model_path: str | Path | None, output: Path,
+                  args: FiberBundleTrainingArguments) -> FiberBundleTrainingArguments:
+    """A copy of ``args`` (the caller's keeps its ``output_dir``) whose ``output_dir`` is OUTPUT/checkpoints, where a
+    run's checkpoints always go, refusing another ``output_dir`` and a MODEL given with ``--from-config`` or neither."""
+    args = copy.copy(args)
     checkpoints = str(output / CHECKPOINTS)
     if args.output_dir not in (None, checkpoints):
         raise TrainingError(f"output_dir is set to {args.output_dir}, but the checkpoints of a run always go to "
@@ -206,23 +227,57 @@ def run_training(model_path: str | Path | None, output: str | Path, args: FiberB
     if (model_path is None) == (args.from_config is None):
         raise TrainingError("give either MODEL (a Fiber Bundle folder to train) or --from-config CONFIG (a fresh "
                             "model), not " + ("both." if model_path is not None else "neither."))
-    earlier_checkpoints = prepare_output(output, overwrite=args.overwrite, resume=bool(args.checkpoint_to_resume))
+    return args
+
+
+def config_and_tokenizer(model_path: str | Path | None,
+                         args: FiberBundleTrainingArguments) -> tuple[PreTrainedConfig, PreTrainedTokenizerBase]:
+    """The config and tokenizer of the model to train, without its weights (so that every check runs before they
+    load): MODEL's, or with ``--from-config`` the fresh model's config and ``args.tokenizer``."""
     if args.from_config is not None:
-        from .scratch import fresh_model, load_tokenizer, scratch_config
+        from .scratch import load_tokenizer, scratch_config
 
         tokenizer = load_tokenizer(args.tokenizer)
-        config = scratch_config(args.from_config, tokenizer)
-    else:
-        try:
-            config = FiberBundleConfig.from_pretrained(model_path)
-            tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=True)
-        except Exception as error:
-            raise TrainingError(f"could not read MODEL {model_path} ({describe(error)}); pass a Fiber Bundle folder, "
-                                "e.g. the output of fiber-bundle convert.") from error
-    quantization = args.quantization_config()  # None, or bitsandbytes 4-bit / 8-bit (QLoRA)
+        return scratch_config(args.from_config, tokenizer), tokenizer
+    from transformers import AutoTokenizer
+
+    from modeling_fiber_bundle import FiberBundleConfig
+
+    try:
+        config = FiberBundleConfig.from_pretrained(model_path)
+        tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=True)
+    except Exception as error:
+        raise TrainingError(f"could not read MODEL {model_path} ({describe(error)}); pass a Fiber Bundle folder, "
+                            "e.g. the output of fiber-bundle convert.") from error
+    return config, tokenizer
+
+
+def checked_quantization(args: FiberBundleTrainingArguments, config: PreTrainedConfig):
+    """The quantisation ``args`` asks for (None, or bitsandbytes 4-bit / 8-bit: QLoRA), refused (``TrainingError``)
+    when ``args.mode`` cannot train a model of ``config`` loaded that way."""
+    from .modes import mode_problem
+
+    quantization = args.quantization_config()
     problem = mode_problem(args.mode, config, quantization)
     if problem:
         raise TrainingError(f"{problem}.")
+    return quantization
+
+
+@dataclass
+class TrainingData:
+    """The packed blocks a run trains and evaluates on, and the named corpus they came from (None for files)."""
+
+    train: Dataset
+    eval: Dataset | None
+    corpus: str | None
+
+
+def training_data(args: FiberBundleTrainingArguments, tokenizer: PreTrainedTokenizerBase) -> TrainingData:
+    """``args.data`` and ``args.eval_data`` as blocks of ``args.block_size`` tokens: a named corpus (the pydoc topics
+    without ``data``) with its own held-out split, or files (``eval_data`` optional)."""
+    from .data import is_named_corpus, load_source, named_corpus, training_blocks
+
     corpus = "pydoc" if args.data is None else is_named_corpus(args.data)
     if corpus is not None:
         if args.eval_data is not None:
@@ -236,48 +291,69 @@ def run_training(model_path: str | Path | None, output: str | Path, args: FiberB
         train_name, eval_name = f"training data {_named(args.data)}", f"eval data {_named(args.eval_data)}"
     train_set = training_blocks(train_text, tokenizer, args.block_size, name=train_name)
     eval_set = training_blocks(eval_text, tokenizer, args.block_size, name=eval_name) if eval_text is not None else None
+    return TrainingData(train_set, eval_set, corpus)
 
+
+def model_to_train(model_path: str | Path | None, args: FiberBundleTrainingArguments, config: PreTrainedConfig,
+                   quantization) -> PreTrainedModel:
+    """The model's weights, once every check has passed: MODEL's, loaded with ``quantization``, or a fresh model of
+    ``config`` seeded with ``args.seed``."""
     if args.deepspeed:
         _deepspeed_process_group(args)
     if args.from_config is not None:
-        model = fresh_model(config, args.seed)
-    else:
-        model = FiberBundleForCausalLM.from_pretrained(model_path, quantization_config=quantization)
-    with args.main_process_first(local=False, desc="removing the earlier run's checkpoints"):
-        if earlier_checkpoints and args.process_index == 0:  # every check has passed: only now are they removed
-            start_again(output)
-    trainer = build_trainer(model, train_set, args, eval_dataset=eval_set)
-    before = trainer.evaluate()["eval_loss"] if eval_set is not None else None
+        from .scratch import fresh_model
+
+        return fresh_model(config, args.seed)
+    from modeling_fiber_bundle import FiberBundleForCausalLM
+
+    return FiberBundleForCausalLM.from_pretrained(model_path, quantization_config=quantization)
+
+
+def train_and_evaluate(trainer: Trainer, *, evaluate: bool) -> tuple[dict, float]:
+    """Train (resuming as the trainer's arguments ask), with the held-out loss before and after when ``evaluate``:
+    (the outcome every process returns: mode, steps and the two losses; the seconds spent training)."""
+    before = trainer.evaluate()["eval_loss"] if evaluate else None
     started = time.perf_counter()
-    trainer.train(resume_from_checkpoint=args.checkpoint_to_resume)
+    trainer.train(resume_from_checkpoint=trainer.args.checkpoint_to_resume)
     train_seconds = time.perf_counter() - started
-    after = trainer.evaluate()["eval_loss"] if eval_set is not None else None
-    final = trained_model(trainer)  # every process calls it (ZeRO-3 gathers); None but on the main process
-    if final is None:  # another process of a distributed run: the main process writes OUTPUT
-        trainer.accelerator.wait_for_everyone()
-        return {"mode": args.mode, "steps": trainer.state.global_step, "eval_loss_before": before,
-                "eval_loss_after": after, "output": str(output)}
-    if args.mode == "lora" and args.base_model_id:  # an adapter published on the Hub must name its base by Hub id
-        for peft_config in trainer.model.peft_config.values():
-            peft_config.base_model_name_or_path = args.base_model_id
+    after = trainer.evaluate()["eval_loss"] if evaluate else None
+    return {"mode": trainer.args.mode, "steps": trainer.state.global_step, "eval_loss_before": before,
+            "eval_loss_after": after}, train_seconds
+
+
+def training_metrics(args: FiberBundleTrainingArguments, trainer: Trainer, model: PreTrainedModel, final,
+                     config: PreTrainedConfig, *, model_path: str | Path | None, data: TrainingData, outcome: dict,
+                     train_seconds: float) -> dict:
+    """training_metrics.json: the ``outcome``, the options that shaped the run, ``run_record``'s sources, size, hardware
+    and software, and the trained model's geometry by layer on two held-out blocks (training blocks without eval
+    data). ``model`` is the model as loaded (its quantisation), ``final`` the trained one."""
     riemannian = {"riemannian_learning_rate": args.riemannian_learning_rate or args.learning_rate, "block": args.block,
                   "retraction": args.retraction, "riemannian_pairs": args.riemannian_pairs,
                   "riemannian_gauge": args.riemannian_gauge}
-    probe = torch.tensor((eval_set if eval_set is not None else train_set)[:2]["input_ids"])
-    result = {"mode": args.mode, "steps": trainer.state.global_step, "eval_loss_before": before,
-              "eval_loss_after": after, "block_size": args.block_size, "learning_rate": args.learning_rate,
-              "batch_size": args.per_device_train_batch_size, "seed": args.seed, "optimizer": args.optimizer,
-              **({"quantization": quantised} if (quantised := _quantisation_of(model)) else {}),
-              **(riemannian if args.optimizer != "adamw" else {}),
-              **({"from_config": public_name(args.from_config), "tokenizer": public_name(args.tokenizer or "byte")}
-                 if args.from_config is not None else {}),
-              # what the model card shows (model_cards.card): sources by Hub id or name, never by local path
-              **run_record(args, trainer, final, config, base=None if model_path is None else args.base_model_id or
-                           public_name(model_path), data=corpus or public_name(args.data),
-                           eval_data=None if corpus else public_name(args.eval_data), train_blocks=len(train_set),
-                           eval_blocks=len(eval_set) if eval_set is not None else None, train_seconds=train_seconds),
-              "geometry": {"probe_tokens": int(probe.numel()), "held_out": eval_set is not None,
-                           "layers": geometry_by_layer(final, probe)}}
+    probe = torch.tensor((data.eval if data.eval is not None else data.train)[:2]["input_ids"])
+    return {**outcome, "block_size": args.block_size, "learning_rate": args.learning_rate,
+            "batch_size": args.per_device_train_batch_size, "seed": args.seed, "optimizer": args.optimizer,
+            **({"quantization": quantised} if (quantised := _quantisation_of(model)) else {}),
+            **(riemannian if args.optimizer != "adamw" else {}),
+            **({"from_config": public_name(args.from_config), "tokenizer": public_name(args.tokenizer or "byte")}
+               if args.from_config is not None else {}),
+            # what the model card shows (model_cards.card): sources by Hub id or name, never by local path
+            **run_record(args, trainer, final, config, base=None if model_path is None else args.base_model_id or
+                         public_name(model_path), data=data.corpus or public_name(args.data),
+                         eval_data=None if data.corpus else public_name(args.eval_data), train_blocks=len(data.train),
+                         eval_blocks=len(data.eval) if data.eval is not None else None, train_seconds=train_seconds),
+            "geometry": {"probe_tokens": int(probe.numel()), "held_out": data.eval is not None,
+                         "layers": geometry_by_layer(final, probe)}}
+
+
+def save_run(output: Path, trainer: Trainer, final, tokenizer: PreTrainedTokenizerBase, *,
+             model_path: str | Path | None, metrics: dict) -> None:
+    """Write the trained model (or, in "lora" mode, the adapter), its tokenizer, MODEL's conversion report,
+    training_metrics.json and the card to OUTPUT, whole or not at all (``checkpoints.write_output``)."""
+    args = trainer.args
+    if args.mode == "lora" and args.base_model_id:  # an adapter published on the Hub must name its base by Hub id
+        for peft_config in trainer.model.peft_config.values():
+            peft_config.base_model_name_or_path = args.base_model_id
 
     def write(folder: Path):
         final.save_pretrained(folder)
@@ -285,12 +361,10 @@ def run_training(model_path: str | Path | None, output: str | Path, args: FiberB
         conversion = None if model_path is None else Path(model_path) / "conversion_report.json"
         if conversion is not None and conversion.is_file():  # the source and its parity travel with the model
             shutil.copyfile(conversion, folder / "conversion_report.json")
-        (folder / "training_metrics.json").write_text(json.dumps(result, indent=2) + "\n")
+        (folder / "training_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
         render_card(folder, name=output.name)  # replaces the card PEFT writes beside an adapter
 
     write_output(output, write)
-    trainer.accelerator.wait_for_everyone()
-    return {**result, "output": str(output)}
 
 
 def _deepspeed_process_group(args) -> None:
