@@ -84,7 +84,7 @@ def layer_inputs(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, dict]]:
     return captured
 
 
-_ATTENTION_KEYS = ("position_embeddings", "attention_mask", "position_ids", "factor_rotation", "token_mask")
+_ATTENTION_KEYS = ("position_embeddings", "attention_mask", "position_ids")
 
 
 def layer_flows(layer, kwargs: dict):
@@ -99,7 +99,7 @@ def layer_flows(layer, kwargs: dict):
 
     def attention(x):
         normed = layer.input_layernorm(x)
-        extra = {"fiber_state": layer.fiber_state(normed)} if fibre else {}
+        extra = {"metric": layer.fiber_state(normed, kwargs.get("metric"))} if fibre else {}
         return layer.self_attn(normed, **call, **extra)[0]
 
     def mlp(x):

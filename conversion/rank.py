@@ -23,8 +23,9 @@ from modeling_fiber_bundle.modeling_fiber_bundle import expand_factors, repeat_k
 
 # The attention functions a layer looks up by name in its modeling file when the model runs eager attention:
 # transformers' ``eager_attention_forward`` (the default every ``ALL_ATTENTION_FUNCTIONS.get_interface`` call falls back
-# to, in every modeling file) and, in a Fiber Bundle modeling file, the metric layers' ``geodesic_attention_forward``.
-ATTENTION_FUNCTIONS = ("eager_attention_forward", "geodesic_attention_forward")
+# to, in every modeling file) and, in a Fiber Bundle modeling file, the metric layers' ``geodesic_attention_forward``
+# (the fast paths) and ``reference_attention_forward`` (the readable one, ``fiber_attention_path="reference"``).
+ATTENTION_FUNCTIONS = ("eager_attention_forward", "geodesic_attention_forward", "reference_attention_forward")
 
 
 class AttentionCall(NamedTuple):

@@ -101,17 +101,6 @@ def metric_gram(factors: torch.Tensor) -> torch.Tensor:
     return torch.matmul(factors, factors.transpose(-1, -2))
 
 
-def dense_metric(factors: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
-    """G = I + alpha U U^T as a dense d x d matrix. For tests and small analyses only (the model never builds it).
-
-    factors (B, H, n, r, d); alpha (H,). Returns (B, H, n, d, d).
-    """
-    d = factors.shape[-1]
-    eye = torch.eye(d, dtype=factors.dtype, device=factors.device)
-    outer = torch.matmul(factors.transpose(-1, -2), factors)  # U U^T: (B, H, n, d, d)
-    return eye + alpha.view(1, -1, 1, 1, 1).to(factors.dtype) * outer
-
-
 # --------------------------------------------------------------------------------------------------------------------
 # Masks
 # --------------------------------------------------------------------------------------------------------------------

@@ -236,6 +236,37 @@ if triton is not None:
         return tl.where(keep, logits, float("-inf")), coords
 
     @triton.jit
+    def _query_program(GQ, U, HALF_ALPHA, K, hk, g, gf, q_len, r, d,
+                       BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, RP: tl.constexpr):
+        """Where a program of the forward or of the query-side backward works, one per (query tile, batch x KV head x
+        query head): the tile ``pid_m``, the head's (b, kh, j) and flat index ``head``, and its operands, the tile's
+        pseudo-query rows (``_load_query_tile``, in the key dtype for the products) and alpha/2."""
+        pid_m = tl.program_id(0)
+        pid = tl.program_id(1).to(tl.int64)
+        b, kh, j = pid // (hk * g), (pid // g) % hk, pid % g
+        head = pid  # (b, kh, j) flattened, the row-major index of a (B, Hk, g) tensor
+        head_f = (b * hk + kh) * gf + j % gf  # the factors of this head: its own (gf = g) or its group's (gf = 1)
+        q_offs, gq, u = _load_query_tile(GQ, U, head * q_len * d, head_f * q_len * r * d, pid_m * BLOCK_M, q_len,
+                                         r, d, BLOCK_M, BLOCK_D, RP)
+        dot_dtype = K.dtype.element_ty
+        gq, u = gq.to(dot_dtype), u.to(dot_dtype)
+        half_alpha = tl.load(HALF_ALPHA + kh * g + j)
+        return pid_m, b, kh, j, head, q_offs, gq, u, half_alpha
+
+    @triton.jit
+    def _key_bounds(RANGES, pid_m, kv_len, CAUSAL: tl.constexpr, HAS_RANGES: tl.constexpr, BLOCK_M: tl.constexpr):
+        """The keys [lo, hi) that query tile ``pid_m`` may see: its interval of a dense mask (``_tile_ranges``), those
+        up to its last row under the causal mask, else all."""
+        if HAS_RANGES:
+            lo = tl.load(RANGES + 2 * pid_m)
+            hi = tl.load(RANGES + 2 * pid_m + 1)
+        elif CAUSAL:
+            lo, hi = 0, tl.minimum(kv_len, (pid_m + 1) * BLOCK_M)
+        else:
+            lo, hi = 0, kv_len
+        return lo, hi
+
+    @triton.jit
     def _load_query_tile(GQ, U, base_q, base_u, q_start, q_len, r, d,
                          BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, RP: tl.constexpr):
         """The query tile's pseudo-query rows: G_i q_i (BLOCK_M, BLOCK_D) and u_ia stacked row i * RP + a
@@ -261,24 +292,10 @@ if triton is not None:
         PRECISION: tl.constexpr,
     ):
         """One program per (query tile, batch x KV head x query head): online softmax over the key tiles."""
-        pid_m = tl.program_id(0)
-        pid = tl.program_id(1).to(tl.int64)
-        b, kh, j = pid // (hk * g), (pid // g) % hk, pid % g
-        head = pid  # (b, kh, j) flattened, the row-major index of a (B, Hk, g) tensor
-        head_f = (b * hk + kh) * gf + j % gf  # the factors of this head: its own (gf = g) or its group's (gf = 1)
-        q_offs, gq, u = _load_query_tile(GQ, U, head * q_len * d, head_f * q_len * r * d, pid_m * BLOCK_M, q_len,
-                                         r, d, BLOCK_M, BLOCK_D, RP)
-        dot_dtype = K.dtype.element_ty
-        gq, u = gq.to(dot_dtype), u.to(dot_dtype)
-        half_alpha = tl.load(HALF_ALPHA + kh * g + j)
+        pid_m, b, kh, j, head, q_offs, gq, u, half_alpha = _query_program(GQ, U, HALF_ALPHA, K, hk, g, gf, q_len, r, d,
+                                                                           BLOCK_M, BLOCK_D, RP)
         d_offs = tl.arange(0, BLOCK_D)
-        if HAS_RANGES:
-            lo = tl.load(RANGES + 2 * pid_m)
-            hi = tl.load(RANGES + 2 * pid_m + 1)
-        elif CAUSAL:
-            lo, hi = 0, tl.minimum(kv_len, (pid_m + 1) * BLOCK_M)
-        else:
-            lo, hi = 0, kv_len
+        lo, hi = _key_bounds(RANGES, pid_m, kv_len, CAUSAL, HAS_RANGES, BLOCK_M)
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
@@ -391,29 +408,16 @@ if triton is not None:
     ):
         """One program per (query tile, batch x KV head x query head): d(scale G q), d(sqrt(scale) U) of this
         head (summed over a shared group by the caller) and its partial d(alpha/2)."""
-        pid_m = tl.program_id(0)
-        pid = tl.program_id(1).to(tl.int64)
-        b, kh, j = pid // (hk * g), (pid // g) % hk, pid % g
-        head = pid
-        head_f = (b * hk + kh) * gf + j % gf
-        q_offs, gq, u = _load_query_tile(GQ, U, head * q_len * d, head_f * q_len * r * d, pid_m * BLOCK_M, q_len,
-                                         r, d, BLOCK_M, BLOCK_D, RP)
+        pid_m, b, kh, j, head, q_offs, gq, u, half_alpha = _query_program(GQ, U, HALF_ALPHA, K, hk, g, gf, q_len, r, d,
+                                                                           BLOCK_M, BLOCK_D, RP)
         dot_dtype = K.dtype.element_ty
-        gq, u = gq.to(dot_dtype), u.to(dot_dtype)
-        half_alpha = tl.load(HALF_ALPHA + kh * g + j)
         d_offs = tl.arange(0, BLOCK_D)
         q_ok = q_offs < q_len
         lse = tl.load(LSE + head * q_len + q_offs, mask=q_ok, other=float("inf"))
         delta = tl.load(DELTA + head * q_len + q_offs, mask=q_ok, other=0.0)
         d_out = tl.load(DOUT + head * q_len * d + q_offs[:, None] * d + d_offs[None, :],
                         mask=q_ok[:, None] & (d_offs[None, :] < d), other=0.0).to(dot_dtype)
-        if HAS_RANGES:
-            lo = tl.load(RANGES + 2 * pid_m)
-            hi = tl.load(RANGES + 2 * pid_m + 1)
-        elif CAUSAL:
-            lo, hi = 0, tl.minimum(kv_len, (pid_m + 1) * BLOCK_M)
-        else:
-            lo, hi = 0, kv_len
+        lo, hi = _key_bounds(RANGES, pid_m, kv_len, CAUSAL, HAS_RANGES, BLOCK_M)
         d_gq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
         d_u = tl.zeros((BLOCK_M * RP, BLOCK_D), tl.float32)
         d_half = tl.zeros((BLOCK_M,), tl.float32)
@@ -443,7 +447,7 @@ if triton is not None:
         u_q, u_a = pid_m * BLOCK_M + u_rows // RP, u_rows % RP
         tl.store(DU + head * q_len * r * d + (u_q[:, None] * r + u_a[:, None]) * d + d_offs[None, :], d_u,
                  mask=(u_q[:, None] < q_len) & (u_a[:, None] < r) & (d_offs[None, :] < d))
-        tl.store(DHALF + pid * tl.num_programs(0) + pid_m, tl.sum(d_half, 0))
+        tl.store(DHALF + head * tl.num_programs(0) + pid_m, tl.sum(d_half, 0))
 
 
 class _Launch:
@@ -634,12 +638,20 @@ def triton_geodesic_attention(
         raise ValueError("The Triton geodesic attention has no attention dropout: pass dropout=None, or use "
                          "blocked_geodesic_attention (fiber_attention_kernel='pytorch').")
     _check_inputs(query, key, value)
+    return fused_forward(geodesic_forward_op, tiles or _tiles(factors.shape[-2], key.dtype), query, factors, key,
+                         value, alpha, gamma, scale, attention_mask, key_sq)
+
+
+def fused_forward(forward_op, tiles: tuple[int, int], query, factors, key, value, alpha, gamma, scale, attention_mask,
+                  key_sq) -> torch.Tensor:
+    """The forward operator of a fused path (``geodesic_forward_op``: Triton, ``cpp_forward_op``: C++) with the query
+    and key tiles ``tiles``, on the operands and mask as the blocked path groups them (``prepare_geodesic_inputs``,
+    ``grouped_kernel_mask``). Arguments and result as ``triton_geodesic_attention``'s."""
     grouped_q, grouped_f, grouped_alpha, bias = prepare_geodesic_inputs(query, factors, key, alpha, gamma, scale,
                                                                         key_sq)
     b, hk, g, q_len, d = grouped_q.shape
     mask = grouped_kernel_mask(attention_mask, q_len, key.shape[2], hk, g, grouped_q.dtype)
-    block_m, block_n = tiles or _tiles(grouped_f.shape[4], key.dtype)
-    out, _ = geodesic_forward_op(grouped_q, grouped_f, grouped_alpha, bias, key, value, *mask, scale, block_m, block_n)
+    out, _ = forward_op(grouped_q, grouped_f, grouped_alpha, bias, key, value, *mask, scale, *tiles)
     return out.to(value.dtype).view(b, hk * g, q_len, d)
 
 
@@ -1679,13 +1691,8 @@ def cpp_geodesic_attention(
     if query.shape[2] == 1 and not gradients_flow(query, factors, key, value, alpha, gamma) \
             and not torch.compiler.is_compiling():
         return cpp_decode_step(query, factors, key, value, alpha, gamma, scale, attention_mask, key_sq)
-    grouped_q, grouped_f, grouped_alpha, bias = prepare_geodesic_inputs(query, factors, key, alpha, gamma, scale,
-                                                                        key_sq)
-    b, hk, g, q_len, d = grouped_q.shape
-    mask = grouped_kernel_mask(attention_mask, q_len, key.shape[2], hk, g, grouped_q.dtype)
-    block_m, block_n = tiles or CPU_TILES
-    out, _ = cpp_forward_op(grouped_q, grouped_f, grouped_alpha, bias, key, value, *mask, scale, block_m, block_n)
-    return out.to(value.dtype).view(b, hk * g, q_len, d)
+    return fused_forward(cpp_forward_op, tiles or CPU_TILES, query, factors, key, value, alpha, gamma, scale,
+                         attention_mask, key_sq)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from itertools import chain
 from typing import NamedTuple
 
@@ -75,7 +76,8 @@ GEOMETRY_KEYS = ("curvature", "torsion", "anisotropy")
 
 
 def _pop_deprecated_cache(cache, kwargs):
-    """Accept the pre-5.24 keyword ``past_key_values`` as an alias of ``cache``, with a FutureWarning."""
+    """Accept ``past_key_values`` as an alias of ``cache``, with a FutureWarning: it is the cache's name in
+    transformers before 5.24, which code written against those releases still passes."""
     if "past_key_values" in kwargs:
         legacy = kwargs.pop("past_key_values")
         warnings.warn(
@@ -111,7 +113,8 @@ class FiberBundleRMSNorm(nn.Module):
 
 
 class FiberBundleRotaryEmbedding(nn.Module):
-    # Adapted from transformers 5.24 models/llama/modeling_llama.py (LlamaRotaryEmbedding), plus ``factor_rotation``
+    # LlamaRotaryEmbedding of transformers 5.24 (models/llama/modeling_llama.py) with one method more,
+    # ``factor_rotation``: the metric factors turn with their token as q and k do, but by the pure rotation
     def __init__(self, config: FiberBundleConfig):
         super().__init__()
         self.max_seq_len_cached = config.max_position_embeddings  # read and updated by dynamic_rope_update
@@ -177,7 +180,8 @@ def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 
 def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    # Adapted from transformers 5.24 models/llama/modeling_llama.py (used when metric_rank == 0)
+    # LLaMA's eager attention (transformers 5.24 models/llama/modeling_llama.py), the backbone's attention where
+    # metric_rank == 0, reading masks as the geodesic paths do: blocked entries clamped, empty rows attending to nothing
     key_states = repeat_kv(key, module.num_key_value_groups)
     value_states = repeat_kv(value, module.num_key_value_groups)
     attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling
@@ -208,20 +212,21 @@ class FiberState(NamedTuple):
     ffn_update: torch.Tensor | None = None  # M_i^{-1} update (B, n, D), when the forward was given the MLP's update
 
 
-# Parameters saved as 0-dim tensors by earlier releases, now of shape (1,). Loading reshapes them, on both paths a
-# checkpoint can take: transformers' ``from_pretrained`` (its weight-loading pipeline sets parameters itself and calls
-# no ``load_state_dict`` hook: a conversion registered for this model type, below) and torch's ``load_state_dict``
-# (PEFT's adapter loading, a user's own state dict: the module's pre-hook).
-ZERO_DIM_GATES = ("ffn_gate",)
+class AttentionMetric(NamedTuple):
+    """Everything a layer's geodesic attention reads of the geometry, as one argument (docs/design.md 1.1, 1.2, 1.4).
 
+    ``FiberBundleModel`` builds the part every layer shares once per forward (``rotation``, ``token_mask``); each layer
+    adds its own factors and gates (``FiberBundleDecoderLayer.fiber_state``). A tuple of tensors, so that
+    torch.compile, torch.export and gradient checkpointing pass it through as they pass ``position_embeddings``.
+    """
 
-def _gates_from_zero_dim(module, state_dict, prefix, *args) -> None:
-    """``load_state_dict`` pre-hook of ``FiberBundleMetric``: a 0-dim gate of ``ZERO_DIM_GATES`` (older folders) becomes
-    (1,)."""
-    for name in ZERO_DIM_GATES:
-        value = state_dict.get(prefix + name)
-        if value is not None and value.dim() == 0:
-            state_dict[prefix + name] = value.reshape(1)
+    # cos, sin (B, n, d) of the pure rotation (``FiberBundleRotaryEmbedding.factor_rotation``): each token's factors
+    # turn with its query
+    rotation: tuple[torch.Tensor, torch.Tensor]
+    token_mask: torch.Tensor | None = None  # (B, n) bool, the real tokens: what the geometry proxies average over
+    factors: torch.Tensor | None = None  # (B, Hf, n, r, d) in each token's own frame (``FiberState.attn_factors``)
+    alpha: torch.Tensor | None = None  # (H,)
+    gamma: torch.Tensor | None = None  # (H,)
 
 
 class FiberBundleMetric(nn.Module):
@@ -252,8 +257,8 @@ class FiberBundleMetric(nn.Module):
             self.ffn_factor_proj = nn.Linear(  # W_V
                 config.metric_hidden, self.ffn_metric_rank * config.hidden_size, bias=True
             )
-            # phi, of shape (1,) (a 0-dim tensor in folders saved before 2026-12-04: see ``ZERO_DIM_GATES``). Why not
-            # 0-dim: torch's FSDP2 (``fully_shard``) refuses scalar parameters
+            # phi, of shape (1,): torch's FSDP2 (``fully_shard``) refuses 0-dim parameters. A checkpoint holding it as
+            # a 0-dim tensor still loads (``ZERO_DIM_GATES``)
             self.ffn_gate = nn.Parameter(torch.zeros(1))
             self.register_load_state_dict_pre_hook(_gates_from_zero_dim)
 
@@ -283,6 +288,51 @@ class FiberBundleMetric(nn.Module):
             if update is not None:
                 ffn_update = woodbury_step(update, ffn_factors, beta, kernel)
         return FiberState(attn_factors, alpha, gamma, ffn_factors, beta, ffn_update)
+
+
+# Gates of shape (1,) that a checkpoint may hold as 0-dim tensors (the shape FSDP2 cannot shard). One conversion,
+# ``gate_to_one_dim``, reaches them on each of the two ways a checkpoint enters the model, because neither way runs the
+# other's mechanism: transformers' ``from_pretrained`` sets every parameter itself and calls no ``load_state_dict``
+# hook, but applies the weight conversions registered for this model type (``GateToOneDim``, registered below); torch's
+# ``load_state_dict`` (PEFT's adapter loading, a user's own state dict) knows no transformers conversion, but runs the
+# module's pre-hook (``_gates_from_zero_dim``, registered by ``FiberBundleMetric``).
+ZERO_DIM_GATES = ("ffn_gate",)
+
+
+def gate_to_one_dim(tensor: torch.Tensor) -> torch.Tensor:
+    """A gate of ``ZERO_DIM_GATES`` as the model holds it: a 0-dim tensor becomes shape (1,); any other passes."""
+    return tensor.reshape(1) if tensor.dim() == 0 else tensor
+
+
+def _gates_from_zero_dim(module, state_dict, prefix, *args) -> None:
+    """``load_state_dict`` pre-hook of ``FiberBundleMetric``: ``gate_to_one_dim`` on each gate of ``ZERO_DIM_GATES``."""
+    for name in ZERO_DIM_GATES:
+        value = state_dict.get(prefix + name)
+        if value is not None:
+            state_dict[prefix + name] = gate_to_one_dim(value)
+
+
+class GateToOneDim(ConversionOps):
+    """``from_pretrained``'s weight conversion of a gate of ``ZERO_DIM_GATES``: ``gate_to_one_dim``. Its own reverse:
+    ``save_pretrained`` writes the (1,) shape."""
+
+    @torch.no_grad()
+    def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+        (value,) = input_dict.values()
+        return {target_patterns[0]: gate_to_one_dim(value[0] if isinstance(value, list) else value)}
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return self
+
+
+# transformers looks a model's weight conversions up by class name, then by model type. Every copy of this file
+# registers the same conversion (a Hub folder's remote code is imported under its own module name): hence overwrite.
+register_checkpoint_conversion_mapping(
+    FiberBundleConfig.model_type,
+    [WeightConverter(f"fiber.{name}", f"fiber.{name}", operations=[GateToOneDim()]) for name in ZERO_DIM_GATES],
+    overwrite=True,
+)
 
 
 def expand_factors(factors: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -350,57 +400,97 @@ def geodesic_attention_forward(
     alpha: torch.Tensor,
     gamma: torch.Tensor,
     key_sq: torch.Tensor | None = None,
-    output_attentions: bool = False,
+    kernel: Callable | None = None,
     **kwargs,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Geodesic attention (docs/design.md 1.2) as an attention function with transformers' signature (``eager_attention_forward``
-    and every ``ALL_ATTENTION_FUNCTIONS`` entry), the geometry passed as keywords.
+) -> tuple[torch.Tensor, None]:
+    """Geodesic attention (docs/design.md 1.2) as an attention function with transformers' signature
+    (``eager_attention_forward`` and every ``ALL_ATTENTION_FUNCTIONS`` entry), the geometry passed as keywords, run on
+    ``kernel``: the blocked path (``blocked_geodesic_attention``, extra memory O(q x block), shared KV-group factors
+    unexpanded; None) or a fused one of the same arguments (``triton_geodesic_attention``, ``cpp_geodesic_attention``),
+    as ``attention_function`` picks it.
 
     query (B, H, q, d) and key, value (B, Hk, kv, d) after RoPE and the cache update; factors (B, Hf, q, r, d), each
     query token's factors turned with its pure rotation (``rotate_factors``), Hf = H or Hk; alpha, gamma (H,); key_sq
-    the keys' ``key_norms`` (B, Hk, kv) where the cache keeps them (``update_cache``), else None.
-    ``module`` gives the GQA group size (``num_key_value_groups``) and, through its config, the path
-    (``fiber_attention_path``) and the query block (``attention_block_size``). Returns the output (B, q, H, d) and the
-    probabilities (B, H, q, kv), or None where the blocked path does not build them (``output_attentions`` False).
+    the keys' ``key_norms`` (B, Hk, kv) where the cache keeps them (``update_cache``), else None. ``module`` gives the
+    query block (``config.attention_block_size``). Returns the output (B, q, H, d) and None: these paths build no
+    probabilities (``probabilities_attention_forward`` does).
     """
-    config = module.config
+    attention = blocked_geodesic_attention if kernel is None else kernel
+    attn_output = attention(
+        query, factors, key, value, alpha, gamma, scaling, attention_mask, module.config.attention_block_size,
+        draw_dropout(dropout), key_sq=key_sq,
+    )
+    return attn_output.transpose(1, 2).contiguous(), None  # (B, q, H, d)
+
+
+def reference_attention_forward(module, query, key, value, attention_mask, *, scaling, dropout=0.0, factors, alpha,
+                                gamma, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``geodesic_attention_forward`` on the readable path (``config.fiber_attention_path == "reference"``): every query
+    head with its own factors, keys and values, materialising (B, H, q, r, kv). Returns the output (B, q, H, d) and the
+    probabilities (B, H, q, kv)."""
     groups = module.num_key_value_groups
+    attn_output, attn_weights = reference_geodesic_attention(
+        query, expand_factors(factors, query.shape[1]), repeat_kv(key, groups), repeat_kv(value, groups),
+        alpha, gamma, scaling, attention_mask, dropout, module.training,
+    )
+    return attn_output.transpose(1, 2).contiguous(), attn_weights
+
+
+def probabilities_attention_forward(module, query, key, value, attention_mask, *, scaling, dropout=0.0, factors,
+                                    alpha, gamma, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``geodesic_attention_forward`` where the probabilities are asked for (``output_attentions``): they are
+    materialised (as eager attention does) by the blocked path's own block functions, and the output is computed from
+    them, so that they carry the gradient of everything downstream. Returns the output (B, q, H, d) and the
+    probabilities (B, H, q, kv)."""
+    attn_weights = blocked_attention_probs(
+        query, factors, key, alpha, gamma, scaling, attention_mask, module.config.attention_block_size,
+        draw_dropout(dropout),
+    )
+    attn_output = torch.matmul(attn_weights, repeat_kv(value, module.num_key_value_groups))  # (B, H, q, d)
+    return attn_output.transpose(1, 2).contiguous(), attn_weights
+
+
+def attention_function(config: FiberBundleConfig, query, key, value, attention_mask, dropout: float, operands: dict,
+                       output_attentions: bool) -> Callable:
+    """The attention function that computes this call, with transformers' signature: the one place that decides the
+    attention path (LLaMA's lookup in transformers' attention interface, with the geodesic paths of docs/design.md 1.5).
+
+    ``operands`` are the geometry keywords a layer with an attention metric passes (``factors`` turned, ``alpha``,
+    ``gamma``, ``key_sq``), empty for the backbone's attention; ``dropout`` the probability applied (0 in evaluation).
+    The first that applies, in this order:
+
+    - no attention metric (metric_rank 0): transformers' function for ``config._attn_implementation`` (eager, sdpa,
+      flex, ...);
+    - ``config.fiber_attention_path == "reference"``: ``reference_attention_forward``;
+    - ``output_attentions``: ``probabilities_attention_forward``;
+    - ``geodesic_attention_forward`` on the fused Triton kernel (on a GPU) or C++ operator (on the CPU) where
+      ``config.fiber_attention_kernel`` asks for it and, under "auto", it applies and has passed its self-check on this
+      call's signature (``use_triton_kernel``, ``use_cpp_kernel``: they also raise where a forced kernel cannot run);
+      else on the blocked PyTorch path.
+
+    The blocked path and the C++ operator take a one-token step of inference by their own decode step
+    (``geodesic_decode_step``, ``cpp_decode_step``): the same function in the fewest ops, not another path.
+    """
+    if not operands:
+        return ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager_attention_forward)
     if config.fiber_attention_path == "reference":
-        # the readable path: every query head with its own factors, keys and values; materialises (B, H, q, r, kv)
-        attn_output, attn_weights = reference_geodesic_attention(
-            query, expand_factors(factors, query.shape[1]), repeat_kv(key, groups), repeat_kv(value, groups),
-            alpha, gamma, scaling, attention_mask, dropout, module.training,
-        )
-    elif output_attentions:
-        # the probabilities are asked for: materialise them (as eager attention does) and compute the output from them,
-        # so that they carry the gradient of everything downstream
-        attn_weights = blocked_attention_probs(
-            query, factors, key, alpha, gamma, scaling, attention_mask, config.attention_block_size,
-            draw_dropout(dropout),
-        )
-        attn_output = torch.matmul(attn_weights, repeat_kv(value, groups))  # (B, H, q, d)
-    else:
-        # the default: extra memory O(q x block), shared KV-group factors unexpanded (U_i^T k_j once per group)
-        attn_weights = None
-        attention = blocked_geodesic_attention
-        # a fused operator (fused_attention.py: Triton on a GPU, C++ on the CPU) where the config asks for it and,
-        # under "auto", it has passed its self-check on this call's signature
-        args = (config.fiber_attention_kernel, query, dropout, factors, key, attention_mask, (value, alpha, gamma))
-        if use_triton_kernel(*args):
-            attention = triton_geodesic_attention
-        elif use_cpp_kernel(*args):
-            attention = cpp_geodesic_attention
-        attn_output = attention(
-            query, factors, key, value, alpha, gamma, scaling, attention_mask, config.attention_block_size,
-            draw_dropout(dropout), key_sq=key_sq,
-        )
-    return attn_output.transpose(1, 2).contiguous(), attn_weights  # (B, q, H, d)
+        return reference_attention_forward
+    if output_attentions:
+        return probabilities_attention_forward
+    factors, alpha, gamma = operands["factors"], operands["alpha"], operands["gamma"]
+    call = (config.fiber_attention_kernel, query, dropout, factors, key, attention_mask, (value, alpha, gamma))
+    kernel = blocked_geodesic_attention
+    if use_triton_kernel(*call):
+        kernel = triton_geodesic_attention
+    elif use_cpp_kernel(*call):
+        kernel = cpp_geodesic_attention
+    return partial(geodesic_attention_forward, kernel=kernel)
 
 
 class FiberBundleAttention(nn.Module):
     """Grouped-query attention whose scores are geodesic distances in the query token's metric (a layer with attention
-    factors: ``geodesic_attention_forward``), or the backbone's own attention through transformers' attention interface
-    (metric_rank == 0)."""
+    factors), or the backbone's own attention through transformers' attention interface (metric_rank == 0): the
+    function ``attention_function`` picks."""
 
     def __init__(self, config: FiberBundleConfig, layer_idx: int):
         super().__init__()
@@ -431,19 +521,15 @@ class FiberBundleAttention(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
-        fiber_state: FiberState | None = None,
-        factor_rotation: tuple[torch.Tensor, torch.Tensor] | None = None,
+        metric: AttentionMetric | None = None,
         output_attentions: bool = False,
         output_geometry: bool = False,
-        token_mask: torch.Tensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None, dict | None]:
-        """``hidden_states`` is the layer's normalised input and ``fiber_state`` the layer's metric field
-        (``FiberBundleDecoderLayer.fiber_state``; None, or no attention factors, for the backbone's attention).
-        ``position_embeddings`` turn q and k as the backbone does; ``factor_rotation`` (the pure rotation,
-        ``FiberBundleRotaryEmbedding.factor_rotation``) turns the metric factors. Returns the attention output
+        """``hidden_states`` is the layer's normalised input and ``metric`` what the attention reads of the layer's
+        geometry (``FiberBundleDecoderLayer.fiber_state``; None for the backbone's attention). ``position_embeddings``
+        turn q and k as the backbone does; ``metric.rotation`` turns the metric factors. Returns the attention output
         (B, n, D), the probabilities when ``output_attentions``, and the geometry proxies when ``output_geometry``."""
-        geodesic = fiber_state is not None and fiber_state.attn_factors is not None
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         query_states = self.q_proj(hidden_states).view(hidden_shape)  # (B, n, H, d)
@@ -454,14 +540,14 @@ class FiberBundleAttention(nn.Module):
         query_states, key_states = query_states.transpose(1, 2), key_states.transpose(1, 2)  # (B, H|Hk, n, d)
 
         geometry = None
-        if output_geometry and geodesic:
+        if output_geometry and metric is not None:
             # measured in each token's own frame (before RoPE), where a homogeneous metric is one constant matrix
             geometry = layer_geometry(
-                expand_factors(fiber_state.attn_factors, query_states.shape[1]),  # (B, H, n, r, d)
+                expand_factors(metric.factors, query_states.shape[1]),  # (B, H, n, r, d)
                 repeat_kv(key_states, self.num_key_value_groups),  # (B, H, n, d)
-                fiber_state.alpha,
+                metric.alpha,
                 self.config.geometry_block_size,
-                token_mask,
+                metric.token_mask,
             )
 
         cos, sin = position_embeddings  # (B, n, d)
@@ -469,39 +555,34 @@ class FiberBundleAttention(nn.Module):
         key_states = apply_rotary(key_states, cos[:, None], sin[:, None])
         key_sq = None
         if cache is not None:
-            keep_key_norms = geodesic and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            keep_key_norms = metric is not None and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
             key_states, value_states, key_sq = update_cache(
                 cache, self.layer_idx, key_states, value_states, kwargs, keep_key_norms
             )
 
-        geometry_kwargs = {}
-        if geodesic:
-            if factor_rotation is None:
-                raise ValueError("FiberBundleAttention needs factor_rotation (FiberBundleRotaryEmbedding.factor_rotation)"
-                                 " to turn the metric factors; FiberBundleModel passes it to every layer.")
-            attention_interface: Callable = geodesic_attention_forward
-            geometry_kwargs = {
+        operands = {}
+        if metric is not None:
+            operands = {
                 # turned with the query's pure rotation: U_i^T R_i^T R_j k_j then depends on j - i only
-                "factors": rotate_factors(fiber_state.attn_factors, *factor_rotation),  # (B, Hf, n, r, d)
-                "alpha": fiber_state.alpha,
-                "gamma": fiber_state.gamma,
+                "factors": rotate_factors(metric.factors, *metric.rotation),  # (B, Hf, n, r, d)
+                "alpha": metric.alpha,
+                "gamma": metric.gamma,
                 "key_sq": key_sq,  # ||k_j||^2 kept by the cache (inference), or None
-                "output_attentions": output_attentions,  # the blocked path builds the probabilities only when asked
             }
-        else:
-            attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
-                self.config._attn_implementation, eager_attention_forward
-            )
+        dropout = self.attention_dropout if self.training else 0.0
+        attention_interface = attention_function(
+            self.config, query_states, key_states, value_states, attention_mask, dropout, operands, output_attentions
+        )
         attn_output, attn_weights = attention_interface(
             self,
             query_states,
             key_states,
             value_states,
             attention_mask,
-            dropout=self.attention_dropout if self.training else 0.0,
+            dropout=dropout,
             scaling=self.scaling,
             sliding_window=self.sliding_window,
-            **geometry_kwargs,
+            **operands,
             **kwargs,
         )
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()  # (B, n, H, d) -> (B, n, H*d)
@@ -530,20 +611,20 @@ class FiberBundleDecoderLayer(GradientCheckpointingLayer):
         if config.metric_rank > 0 or config.ffn_metric_rank > 0:
             self.fiber = FiberBundleMetric(config)
 
-    def fiber_state(self, normed: torch.Tensor) -> FiberState | None:
-        """The attention part of this layer's metric field (the MLP part is ``precondition``'s); None for a layer
-        without ``fiber``.
+    def fiber_state(self, normed: torch.Tensor, metric: AttentionMetric | None) -> AttentionMetric | None:
+        """``metric`` (the part the model builds once per forward) completed with this layer's attention factors and
+        gates, computed from the layer's normalised input: what its attention reads. None where the model passes none
+        (metric_rank 0); the MLP part of the layer's metric field is ``precondition``'s.
 
         In training with ``config.geometry_recompute`` it is checkpointed as a whole: the backward keeps only its input
         and recomputes the O(n d r) intermediates (code, raw factors, bounded map) there."""
-        fiber = getattr(self, "fiber", None)
-        if fiber is None:
+        if metric is None:
             return None
-        if self.config.metric_rank == 0:
-            return FiberState(None, None, None, None, None)
         if self._recomputes():
-            return torch.utils.checkpoint.checkpoint(fiber, normed, "attention", use_reentrant=False)
-        return fiber(normed, "attention")
+            state = torch.utils.checkpoint.checkpoint(self.fiber, normed, "attention", use_reentrant=False)
+        else:
+            state = self.fiber(normed, "attention")
+        return metric._replace(factors=state.attn_factors, alpha=state.alpha, gamma=state.gamma)
 
     def _recomputes(self) -> bool:
         """Whether the metric's intermediates are recomputed in the backward: ``geometry_recompute`` in training mode
@@ -570,15 +651,15 @@ class FiberBundleDecoderLayer(GradientCheckpointingLayer):
         cache: Cache | None = None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        factor_rotation: tuple[torch.Tensor, torch.Tensor] | None = None,
+        metric: AttentionMetric | None = None,
         output_attentions: bool = False,
         output_geometry: bool = False,
-        token_mask: torch.Tensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None, dict | None]:
+        """``metric`` is the geometry every layer shares (``FiberBundleModel`` builds it; None where metric_rank == 0),
+        which the layer completes with its own factors and gates for its attention (``fiber_state``)."""
         residual = hidden_states
         normed = self.input_layernorm(hidden_states)
-        state = self.fiber_state(normed)
         hidden_states, attn_weights, geometry = self.self_attn(
             normed,
             position_embeddings=position_embeddings,
@@ -586,11 +667,9 @@ class FiberBundleDecoderLayer(GradientCheckpointingLayer):
             position_ids=position_ids,
             cache=cache,
             use_cache=use_cache,
-            fiber_state=state,
-            factor_rotation=factor_rotation,
+            metric=self.fiber_state(normed, metric),
             output_attentions=output_attentions,
             output_geometry=output_geometry,
-            token_mask=token_mask,
             **kwargs,
         )
         hidden_states = residual + hidden_states
@@ -599,10 +678,11 @@ class FiberBundleDecoderLayer(GradientCheckpointingLayer):
 
         residual = hidden_states
         update = self.mlp(self.post_attention_layernorm(hidden_states))
-        if state is not None and self.config.ffn_metric_rank > 0:  # x <- x + M^{-1} MLP(RMSNorm(x))
+        if self.config.ffn_metric_rank > 0:  # x <- x + M^{-1} MLP(RMSNorm(x))
             update = self.precondition(normed, update)
         hidden_states = residual + update
         return hidden_states, attn_weights, geometry
+
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Pretrained model classes
@@ -620,47 +700,6 @@ class FiberBundleCausalLMOutputWithPast(CausalLMOutputWithPast):
     """``CausalLMOutputWithPast`` plus ``geometry`` (see ``FiberBundleModelOutputWithPast``)."""
 
     geometry: dict[str, torch.Tensor] | None = None
-
-
-# bitsandbytes 0.50 (a Linear4bit with `support_avx512bf16_for_cpu`) repacks a 4-bit weight in place, on a CPU with
-# AVX-512 BF16, into a layout only its inference kernel reads, the first time the layer runs in eval mode without
-# gradient (every held-out evaluation before training is such a forward). From then on its matmul bypasses autograd
-# (no gradient crosses the layer: LoRA below it learns nothing), and its inverse does not give the weight back (the
-# block scales stay rounded to bfloat16, and unless double-quantised in the kernel's transposed order). So the
-# repack is kept from happening, not undone: set on every mode change, which from_pretrained (its closing eval()),
-# PEFT and the Trainer (train() / eval()) all make before a forward. docs/quantization.md has the reproduction.
-BITSANDBYTES_REPACK_FIXED_IN: tuple[int, ...] | None = None  # the first bitsandbytes release without it, once known
-
-
-def bitsandbytes_repacks_in_place() -> bool:
-    """Whether the installed bitsandbytes is one that repacks 4-bit weights in place (every release with the CPU
-    repack, until ``BITSANDBYTES_REPACK_FIXED_IN``)."""
-    if BITSANDBYTES_REPACK_FIXED_IN is None:
-        return True
-    from importlib.metadata import version
-
-    release = tuple(int(part) for part in re.findall(r"\d+", version("bitsandbytes"))[:3])
-    return release < BITSANDBYTES_REPACK_FIXED_IN
-
-
-def keep_4bit_weights_trainable(model: nn.Module, training: bool = False) -> None:
-    """Switch bitsandbytes' in-place CPU repack off on every 4-bit layer of ``model`` (any model: the Fiber Bundle
-    classes call it on every train() / eval()); with ``training``, refuse a layer whose weight was already repacked.
-    Costs one walk over the modules, as train() makes anyway."""
-    for module in model.modules():
-        if "support_avx512bf16_for_cpu" not in module.__dict__:  # not a bitsandbytes 4-bit layer that repacks
-            continue  # (a plain attribute: a dict lookup, where hasattr would raise inside nn.Module.__getattr__)
-        if not bitsandbytes_repacks_in_place():
-            return
-        module.support_avx512bf16_for_cpu = False
-        if training and getattr(module.weight.quant_state, "packing_format_for_cpu", False):
-            name = next(name for name, candidate in model.named_modules() if candidate is module)
-            raise RuntimeError(
-                f"{name} holds its 4-bit weight in bitsandbytes' CPU inference layout (repacked in place by an "
-                "eval-mode forward without gradient): no gradient would cross it, and bitsandbytes' inverse does not "
-                "restore it exactly. Reload the model, and leave `support_avx512bf16_for_cpu` off on a model that "
-                "trains."
-            )
 
 
 class FiberBundlePreTrainedModel(PreTrainedModel):
@@ -705,7 +744,9 @@ class FiberBundlePreTrainedModel(PreTrainedModel):
         return super().maybe_distribute_model(model, distributed_config, mesh_manager)
 
     def train(self, mode: bool = True):
-        keep_4bit_weights_trainable(self, training=mode)  # before any forward can repack a 4-bit weight (see above)
+        # before any forward can repack a 4-bit weight (``keep_4bit_weights_trainable``, near the end of this file,
+        # says why)
+        keep_4bit_weights_trainable(self, training=mode)
         return super().train(mode)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
@@ -834,15 +875,14 @@ class FiberBundleModel(FiberBundlePreTrainedModel):
             if "sliding_attention" in self.config.layer_types:
                 mask_mapping["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
 
-        token_mask = None  # which query positions are real tokens (for the geometry averages)
-        if output_geometry and isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
-            token_mask = attention_mask[:, -inputs_embeds.shape[1] :].bool()
-
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
-        factor_rotation = None  # only geodesic layers turn metric factors
+        metric = None  # the geometry every layer's attention shares: only geodesic layers read one
         if self.config.metric_rank > 0:
-            factor_rotation = self.rotary_emb.factor_rotation(hidden_states, position_ids)
+            token_mask = None  # which query positions are real tokens (for the geometry averages)
+            if output_geometry and isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+                token_mask = attention_mask[:, -inputs_embeds.shape[1] :].bool()
+            metric = AttentionMetric(self.rotary_emb.factor_rotation(hidden_states, position_ids), token_mask)
         all_hidden_states = (hidden_states,) if output_hidden_states else None
         all_attentions = () if output_attentions else None
         geometry = {key: [] for key in GEOMETRY_KEYS} if output_geometry else None
@@ -851,13 +891,12 @@ class FiberBundleModel(FiberBundlePreTrainedModel):
                 hidden_states,
                 attention_mask=mask_mapping[self.config.layer_types[decoder_layer.self_attn.layer_idx]],
                 position_embeddings=position_embeddings,
-                factor_rotation=factor_rotation,
+                metric=metric,
                 position_ids=position_ids,
                 cache=cache,
                 use_cache=use_cache,
                 output_attentions=output_attentions,
                 output_geometry=bool(output_geometry),
-                token_mask=token_mask,
                 **kwargs,
             )
             if output_hidden_states:
@@ -993,28 +1032,48 @@ class FiberBundleForQuestionAnswering(GenericForQuestionAnswering, FiberBundlePr
         self.post_init()
 
 
-class GateToOneDim(ConversionOps):
-    """A weight conversion for ``from_pretrained``: a 0-dim gate (folders saved before 2026-12-04) becomes shape (1,),
-    a tensor of any other shape passes unchanged. Its own reverse: ``save_pretrained`` writes the (1,) shape."""
-
-    @torch.no_grad()
-    def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
-        (value,) = input_dict.values()
-        tensor = value[0] if isinstance(value, list) else value
-        return {target_patterns[0]: tensor.reshape(1) if tensor.dim() == 0 else tensor}
-
-    @property
-    def reverse_op(self) -> ConversionOps:
-        return self
+# ----------------------------------------------------------------------------------------------------------------------
+# bitsandbytes' in-place CPU repack, kept off: ``FiberBundlePreTrainedModel.train`` runs this on every mode change
+# ----------------------------------------------------------------------------------------------------------------------
+# bitsandbytes 0.50 (a Linear4bit with `support_avx512bf16_for_cpu`) repacks a 4-bit weight in place, on a CPU with
+# AVX-512 BF16, into a layout only its inference kernel reads, the first time the layer runs in eval mode without
+# gradient (every held-out evaluation before training is such a forward). From then on its matmul bypasses autograd
+# (no gradient crosses the layer: LoRA below it learns nothing), and its inverse does not give the weight back (the
+# block scales stay rounded to bfloat16, and unless double-quantised in the kernel's transposed order). So the
+# repack is kept from happening, not undone: set on every mode change, which from_pretrained (its closing eval()),
+# PEFT and the Trainer (train() / eval()) all make before a forward. docs/quantization.md has the reproduction.
+BITSANDBYTES_REPACK_FIXED_IN: tuple[int, ...] | None = None  # the first bitsandbytes release without it, once known
 
 
-# transformers looks a model's weight conversions up by class name, then by model type. Every copy of this file
-# registers the same conversion (a Hub folder's remote code is imported under its own module name): hence overwrite.
-register_checkpoint_conversion_mapping(
-    FiberBundleConfig.model_type,
-    [WeightConverter(f"fiber.{name}", f"fiber.{name}", operations=[GateToOneDim()]) for name in ZERO_DIM_GATES],
-    overwrite=True,
-)
+def bitsandbytes_repacks_in_place() -> bool:
+    """Whether the installed bitsandbytes is one that repacks 4-bit weights in place (every release with the CPU
+    repack, until ``BITSANDBYTES_REPACK_FIXED_IN``)."""
+    if BITSANDBYTES_REPACK_FIXED_IN is None:
+        return True
+    from importlib.metadata import version
+
+    release = tuple(int(part) for part in re.findall(r"\d+", version("bitsandbytes"))[:3])
+    return release < BITSANDBYTES_REPACK_FIXED_IN
+
+
+def keep_4bit_weights_trainable(model: nn.Module, training: bool = False) -> None:
+    """Switch bitsandbytes' in-place CPU repack off on every 4-bit layer of ``model`` (any model: the Fiber Bundle
+    classes call it on every train() / eval()); with ``training``, refuse a layer whose weight was already repacked.
+    Costs one walk over the modules, as train() makes anyway."""
+    for module in model.modules():
+        if "support_avx512bf16_for_cpu" not in module.__dict__:  # not a bitsandbytes 4-bit layer that repacks
+            continue  # (a plain attribute: a dict lookup, where hasattr would raise inside nn.Module.__getattr__)
+        if not bitsandbytes_repacks_in_place():
+            return
+        module.support_avx512bf16_for_cpu = False
+        if training and getattr(module.weight.quant_state, "packing_format_for_cpu", False):
+            name = next(name for name, candidate in model.named_modules() if candidate is module)
+            raise RuntimeError(
+                f"{name} holds its 4-bit weight in bitsandbytes' CPU inference layout (repacked in place by an "
+                "eval-mode forward without gradient): no gradient would cross it, and bitsandbytes' inverse does not "
+                "restore it exactly. Reload the model, and leave `support_avx512bf16_for_cpu` off on a model that "
+                "trains."
+            )
 
 
 # save_pretrained copies this file and its relative imports and writes auto_map (AUTO_MAP, read from these

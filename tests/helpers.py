@@ -189,3 +189,12 @@ def fake_stdlib(root, modules: int = 12):
     (root / "config-3.11-x86_64-linux-gnu").mkdir()
     (root / "config-3.11-x86_64-linux-gnu" / "python-config.py").write_text("print(1)\n")
     return root
+
+
+def dense_metric(factors: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """G = I + alpha U U^T as a dense d x d matrix, against which the tests check the model's low-rank forms (the model
+    never builds it). factors (B, H, n, r, d), row-wise as the model keeps them; alpha (H,). Returns (B, H, n, d, d)."""
+    d = factors.shape[-1]
+    eye = torch.eye(d, dtype=factors.dtype, device=factors.device)
+    outer = torch.matmul(factors.transpose(-1, -2), factors)  # U U^T: (B, H, n, d, d)
+    return eye + alpha.view(1, -1, 1, 1, 1).to(factors.dtype) * outer

@@ -7,6 +7,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from helpers import dense_metric
 from modeling_fiber_bundle.fiber_attention import (
     GATE_FLOOR,
     Dropout,
@@ -16,7 +17,6 @@ from modeling_fiber_bundle.fiber_attention import (
     bounded_factors,
     curvature_proxy,
     rotate_factors,
-    dense_metric,
     geodesic_scores_reference,
     metric_gate,
     metric_gram,

@@ -158,9 +158,10 @@ def test_flex_attention_masks_are_read_like_the_others(name):
 
 @pytest.mark.parametrize("path", ["blocked", "reference"])
 def test_geodesic_attention_function_has_transformers_signature_and_is_the_layers_attention(path):
-    """geodesic_attention_forward(module, query, key, value, attention_mask, *, scaling, dropout, factors, alpha, gamma)
-    -> (attn_output (B, n, H, d), attn_weights), as transformers' attention functions: called directly on the inputs
-    the layer builds (projections, RoPE, turned factors), it gives the layer's attention output."""
+    """The function ``attention_function`` picks for a geodesic layer has transformers' attention-function signature,
+    (module, query, key, value, attention_mask, *, scaling, dropout, factors, alpha, gamma) -> (attn_output (B, n, H, d),
+    attn_weights): called directly on the inputs the layer builds (projections, RoPE, turned factors), it gives the
+    layer's attention output."""
     model = set_gates(tiny_model(fiber_attention_path=path, attention_block_size=4))
     layer = model.model.layers[0]
     attn = layer.self_attn
@@ -170,30 +171,69 @@ def test_geodesic_attention_function_has_transformers_signature_and_is_the_layer
     cos, sin = model.model.rotary_emb(hidden, positions)
     rotation = model.model.rotary_emb.factor_rotation(hidden, positions)
     with torch.no_grad():
-        state = layer.fiber_state(hidden)
-        expected, _, _ = attn(hidden, position_embeddings=(cos, sin), fiber_state=state, factor_rotation=rotation)
+        metric = layer.fiber_state(hidden, modeling.AttentionMetric(rotation))
+        expected, _, _ = attn(hidden, position_embeddings=(cos, sin), metric=metric)
         query = modeling.apply_rotary(attn.q_proj(hidden).view(b, n, -1, d).transpose(1, 2), cos[:, None], sin[:, None])
         key = modeling.apply_rotary(attn.k_proj(hidden).view(b, n, -1, d).transpose(1, 2), cos[:, None], sin[:, None])
         value = attn.v_proj(hidden).view(b, n, -1, d).transpose(1, 2)  # (B, Hk, n, d)
-        geometry = dict(factors=modeling.rotate_factors(state.attn_factors, *rotation), alpha=state.alpha,
-                        gamma=state.gamma)
-        out, weights = modeling.geodesic_attention_forward(attn, query, key, value, None, scaling=attn.scaling,
-                                                           dropout=0.0, **geometry)
+        geometry = dict(factors=modeling.rotate_factors(metric.factors, *rotation), alpha=metric.alpha,
+                        gamma=metric.gamma)
+
+        def function(output_attentions=False):
+            return modeling.attention_function(attn.config, query, key, value, None, 0.0, geometry, output_attentions)
+
+        out, weights = function()(attn, query, key, value, None, scaling=attn.scaling, dropout=0.0, **geometry)
         assert out.shape == (b, n, TINY["num_attention_heads"], d)
         groups = attn.num_key_value_groups  # and it is the geodesic attention of those inputs, written out
         reference, _ = reference_geodesic_attention(
             query, modeling.expand_factors(geometry["factors"], TINY["num_attention_heads"]),
-            modeling.repeat_kv(key, groups), modeling.repeat_kv(value, groups), state.alpha, state.gamma, attn.scaling)
+            modeling.repeat_kv(key, groups), modeling.repeat_kv(value, groups), metric.alpha, metric.gamma,
+            attn.scaling)
         torch.testing.assert_close(out, reference.transpose(1, 2), rtol=1e-10, atol=1e-12)
         assert (weights is None) == (path == "blocked")  # the blocked path builds probabilities only when asked
         torch.testing.assert_close(attn.o_proj(out.reshape(b, n, -1)), expected, rtol=1e-12, atol=1e-12)
-        with_probs, probs = modeling.geodesic_attention_forward(attn, query, key, value, None, scaling=attn.scaling,
-                                                                dropout=0.0, output_attentions=True, **geometry)
+        with_probs, probs = function(output_attentions=True)(attn, query, key, value, None, scaling=attn.scaling,
+                                                             dropout=0.0, **geometry)
     torch.testing.assert_close(with_probs, out, rtol=1e-12, atol=1e-12)
     assert probs.shape == (b, TINY["num_attention_heads"], n, n) and probs.triu(1).abs().max() == 0
     torch.testing.assert_close(probs.sum(-1), torch.ones(b, TINY["num_attention_heads"], n, dtype=F64))
-    with pytest.raises(TypeError, match="factors"):  # the geometry is required, by name
-        modeling.geodesic_attention_forward(attn, query, key, value, None, scaling=attn.scaling, dropout=0.0)
+    for output_attentions in (False, True):  # the geometry is required, by name
+        with pytest.raises(TypeError, match="factors"):
+            function(output_attentions)(attn, query, key, value, None, scaling=attn.scaling, dropout=0.0)
+
+
+def test_one_function_picks_every_attention_path():
+    """``attention_function`` alone decides which function computes a call (docs/design.md 1.5), the first that applies
+    in its order: the backbone's function of ``_attn_implementation`` without an attention metric, the reference path,
+    the probabilities when asked for, then ``geodesic_attention_forward`` on a fused kernel where
+    ``fiber_attention_kernel`` allows it, else on the blocked path."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from modeling_fiber_bundle import fused_attention
+
+    config = tiny_config()
+    query, key = torch.randn(1, 4, 5, 8, dtype=F64), torch.randn(1, 2, 5, 8, dtype=F64)  # (B, H | Hk, n, d)
+    alpha = torch.zeros(4, dtype=F64)
+    operands = dict(factors=torch.zeros(1, 2, 5, 2, 8, dtype=F64), alpha=alpha, gamma=alpha)
+
+    def pick(output_attentions=False, operands=operands, **settings):
+        for name, value in settings.items():
+            setattr(config, name, value)
+        return modeling.attention_function(config, query, key, key, None, 0.0, operands, output_attentions)
+
+    for implementation in ("eager", "sdpa"):
+        config._attn_implementation = implementation
+        assert pick(operands={}) is ALL_ATTENTION_FUNCTIONS.get_interface(implementation,
+                                                                         modeling.eager_attention_forward)
+    for output_attentions in (False, True):
+        assert pick(output_attentions, fiber_attention_path="reference") is modeling.reference_attention_forward
+    assert pick(True, fiber_attention_path="blocked") is modeling.probabilities_attention_forward
+    kernels = {"pytorch": modeling.blocked_geodesic_attention, "cpp": modeling.cpp_geodesic_attention}
+    if fused_attention.triton_available():
+        kernels["triton"] = modeling.triton_geodesic_attention
+    for setting, kernel in kernels.items():
+        function = pick(fiber_attention_kernel=setting)
+        assert function.func is modeling.geodesic_attention_forward and function.keywords == {"kernel": kernel}
 
 
 def test_geometry_changes_the_function_when_gates_move():
