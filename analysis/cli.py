@@ -8,22 +8,35 @@ from pathlib import Path
 from fiber_bundle.conversion.cli import report_failure
 
 
+def _print_table(lines: list[str], out, *files: str, seconds: float | None = None) -> int:
+    """Print a command's table and the files it wrote into ``out`` (after the ``seconds`` it took, where the results
+    record them); the command's exit code."""
+    print(*lines, sep="\n")
+    took = "" if seconds is None else f"{seconds:.0f} s "
+    print(f"{took}-> " + ", ".join(str(Path(out) / name) for name in files))
+    return 0
+
+
 def _compare(args) -> int:
-    from .compare import run_compare
+    from .reports import run_compare
 
     results = run_compare(args.converted, args.source, args.out, gguf_file=args.gguf_file, seeds=args.seeds,
                           arms=args.arms, max_steps=args.max_steps, batch_size=args.batch_size,
                           block_size=args.block_size, metric_learning_rate=args.metric_learning_rate,
                           lora_learning_rate=args.lora_learning_rate, lora_r=args.lora_r,
                           max_eval_blocks=args.eval_blocks)
-    print(f"token budget {results['budget']['tokens']:,} per run; LoRA rank {results['lora_r']} "
-          f"(metric parameters {results['metric_parameters']:,})")
+    return _print_table(compare_table(results), args.out, "compare.json", "compare.png")
+
+
+def compare_table(results: dict) -> list[str]:
+    """The lines ``analyze compare`` prints of its results."""
+    lines = [f"token budget {results['budget']['tokens']:,} per run; LoRA rank {results['lora_r']} "
+             f"(metric parameters {results['metric_parameters']:,})"]
     for arm, row in results["summary"].items():
-        print(f"  {arm:12s} eval loss {row['eval_loss_before']:.4f} -> {row['eval_loss_after_mean']:.4f} "
-              f"± {row['eval_loss_after_std']:.4f} ({row['seeds']} seeds, {row['trainable_parameters']:,} trainable, "
-              f"{row['train_seconds_mean']:.0f} s)")
-    print(f"-> {Path(args.out) / 'compare.json'}, {Path(args.out) / 'compare.png'}")
-    return 0
+        lines.append(f"  {arm:12s} eval loss {row['eval_loss_before']:.4f} -> {row['eval_loss_after_mean']:.4f} "
+                     f"± {row['eval_loss_after_std']:.4f} ({row['seeds']} seeds, {row['trainable_parameters']:,} "
+                     f"trainable, {row['train_seconds_mean']:.0f} s)")
+    return lines
 
 
 def _optimizers(args) -> int:
@@ -37,9 +50,15 @@ def _optimizers(args) -> int:
                                        adamw_learning_rate=args.adamw_learning_rate,
                                        max_extensions=args.max_extensions, from_scratch=args.from_scratch,
                                        compile=args.compile, warmup_steps=args.warmup_steps, gauge=args.gauge)
-    task = f"from scratch ({args.from_scratch}, W_Q / W_K pairs)" if args.from_scratch else results["mode"]
-    print(f"{task}, token budget {results['budget']['tokens']:,} per run, held-out loss before "
-          f"{results['eval_loss_before']:.4f}")
+    return _print_table(optimizers_table(results), args.out, "optimizers.json")
+
+
+def optimizers_table(results: dict) -> list[str]:
+    """The lines ``analyze optimizers`` prints of its results."""
+    task = f"from scratch ({results['from_scratch']}, W_Q / W_K pairs)" if results.get("from_scratch") else \
+        results["mode"]
+    lines = [f"{task}, token budget {results['budget']['tokens']:,} per run, held-out loss before "
+             f"{results['eval_loss_before']:.4f}"]
     for name, row in results["summary"].items():
         loss = "diverged" if row["eval_loss_after_mean"] is None else \
             f"{row['eval_loss_after_mean']:.4f} ± {row['eval_loss_after_std']:.4f}"
@@ -49,14 +68,14 @@ def _optimizers(args) -> int:
         for key, which in (("loss_vs_adamw_interval", "95 %"), ("loss_vs_plain_interval", "minus its plain geometry")):
             interval = (row.get(key) or {}).get("t_interval")
             loss += f", {which} [{interval[0]:+.4f}, {interval[1]:+.4f}]" if interval else ""
-        print(f"  {name:20s} lr {row['learning_rate']:.3g}{edge}: eval loss {loss} ({row['seeds']} seeds), "
-              f"{row['seconds_per_step_mean']:.2f} s/step ({row.get('time_vs_adamw', float('nan')):.2f} x AdamW)")
-    print(f"-> {Path(args.out) / 'optimizers.json'}")
-    return 0
+        lines.append(f"  {name:20s} lr {row['learning_rate']:.3g}{edge}: eval loss {loss} ({row['seeds']} seeds), "
+                     f"{row['seconds_per_step_mean']:.2f} s/step ({row.get('time_vs_adamw', float('nan')):.2f} x "
+                     "AdamW)")
+    return lines
 
 
 def _scratch(args) -> int:
-    from .scratch import run_scratch_comparison
+    from .reports import run_scratch_comparison
 
     fields = {"num_hidden_layers": args.layers, "hidden_size": args.width, "intermediate_size": args.intermediate_size,
               "num_attention_heads": args.heads, "num_key_value_heads": args.kv_heads, "metric_rank": args.metric_rank,
@@ -72,8 +91,13 @@ def _scratch(args) -> int:
                                      compile=args.compile, metric_rate_ratios=args.metric_rate_ratios,
                                      steps_by_arm=dict(args.steps_by_arm) if args.steps_by_arm else None,
                                      reuse_from=args.reuse_runs)
-    print(f"{results['budget']['tokens']:,} tokens per run, {len(results['seeds'])} seeds, held-out "
-          f"{results['eval_blocks']} x {results['budget']['block_size']} bytes")
+    return _print_table(scratch_table(results), args.out, "scratch.json", "scratch.png")
+
+
+def scratch_table(results: dict) -> list[str]:
+    """The lines ``analyze scratch`` prints of its results."""
+    lines = [f"{results['budget']['tokens']:,} tokens per run, {len(results['seeds'])} seeds, held-out "
+             f"{results['eval_blocks']} x {results['budget']['block_size']} bytes"]
     for arm, row in results["summary"].items():
         versus = (f", vs euclidean {row['loss_vs_euclidean']:+.4f} ± {row['loss_vs_euclidean_std']:.4f}"
                   if row.get("loss_vs_euclidean") is not None and arm != "euclidean" else "")
@@ -85,10 +109,9 @@ def _scratch(args) -> int:
                 f"{row['eval_loss_after_mean']:.4f} ± {row['eval_loss_after_std']:.4f}")
         metric = f", metric lr {row['metric_learning_rate']:g}" if row.get("metric_learning_rate") else ""
         edge = " (sweep edge)" if row["at_sweep_edge"] else ""
-        print(f"  {arm:12s} lr {row['learning_rate']:g}{edge}{metric}: held-out loss {loss}{versus}; "
-              f"{row['seconds_per_step_mean']:.2f} s/step; {row['parameters']:,} parameters")
-    print(f"-> {Path(args.out) / 'scratch.json'}, {Path(args.out) / 'scratch.png'}")
-    return 0
+        lines.append(f"  {arm:12s} lr {row['learning_rate']:g}{edge}{metric}: held-out loss {loss}{versus}; "
+                     f"{row['seconds_per_step_mean']:.2f} s/step; {row['parameters']:,} parameters")
+    return lines
 
 
 def _collapse(args) -> int:
@@ -100,19 +123,25 @@ def _collapse(args) -> int:
     results = run_collapse(args.out, models=args.models, labels=args.labels, samples=args.samples, length=args.length,
                            seeds=range(args.seeds), spec=spec, alphas=args.alphas, threshold=args.threshold,
                            stacks=not args.no_stacks)
+    return _print_table(collapse_table(results), args.out, "collapse.json", "collapse.png", seconds=results["seconds"])
+
+
+def collapse_table(results: dict) -> list[str]:
+    """The lines ``analyze collapse`` prints of its results."""
+    lines = []
     for stack in results["stacks"]:
-        print(stack["title"])
+        lines.append(stack["title"])
         for label, variant in stack["variants"].items():
             depth = variant["depth_below_threshold_summary"]
             reached = f"{depth['mean']:.2f} ± {depth['std']:.2f}" if depth["count"] else "never"
-            print(f"  {label:26s} depth where residual < {args.threshold:g}: {reached} "
-                  f"({variant['seeds_reaching_threshold']}/{len(stack['seeds'])} seeds); "
-                  f"final residual {variant['per_depth'][-1]['mean']:.2e}")
+            lines.append(f"  {label:26s} depth where residual < {results['threshold']:g}: {reached} "
+                         f"({variant['seeds_reaching_threshold']}/{len(stack['seeds'])} seeds); "
+                         f"final residual {variant['per_depth'][-1]['mean']:.2e}")
     for label, curve in results["models"].items():
-        print(f"{label}: residual entering layer 0 / last layer / after it: {curve['per_depth'][0]['mean']:.3g} / "
-              f"{curve['per_depth'][-2]['mean']:.3g} / {curve['per_depth'][-1]['mean']:.3g}")
-    print(f"{results['seconds']:.0f} s -> {Path(args.out) / 'collapse.json'}, {Path(args.out) / 'collapse.png'}")
-    return 0
+        lines.append(f"{label}: residual entering layer 0 / last layer / after it: "
+                     f"{curve['per_depth'][0]['mean']:.3g} / {curve['per_depth'][-2]['mean']:.3g} / "
+                     f"{curve['per_depth'][-1]['mean']:.3g}")
+    return lines
 
 
 def _intrinsic_rank(args) -> int:
@@ -120,16 +149,21 @@ def _intrinsic_rank(args) -> int:
 
     results = run_intrinsic_rank(args.out, args.models, labels=args.labels, samples=args.samples, length=args.length,
                                  threshold=args.threshold, rtol=args.rtol)
+    return _print_table(intrinsic_rank_table(results), args.out, "intrinsic_rank.json", "intrinsic_rank.png",
+                        seconds=results["seconds"])
+
+
+def intrinsic_rank_table(results: dict) -> list[str]:
+    """The lines ``analyze intrinsic-rank`` prints of its results."""
+    lines = []
     for label, rank in results["models"].items():
         s = rank["summary"]
-        print(f"{label} (d = {rank['head_dim']}): logits on text {s['text_energy_rank']['mean']:.1f} "
-              f"[{s['text_energy_rank']['min']:.1f}, {s['text_energy_rank']['max']:.1f}], W_Q^T W_K "
-              f"{s['interaction_energy_rank']['mean']:.1f}, score numerical rank {s['score_numerical_rank']['mean']:.1f} "
-              f"(max {s['score_numerical_rank']['max']:.0f}); {s['heads_above_gram_bound']}/{s['heads']} heads above "
-              f"the Gram bound d + 1")
-    print(f"{results['seconds']:.0f} s -> {Path(args.out) / 'intrinsic_rank.json'}, "
-          f"{Path(args.out) / 'intrinsic_rank.png'}")
-    return 0
+        lines.append(f"{label} (d = {rank['head_dim']}): logits on text {s['text_energy_rank']['mean']:.1f} "
+                     f"[{s['text_energy_rank']['min']:.1f}, {s['text_energy_rank']['max']:.1f}], W_Q^T W_K "
+                     f"{s['interaction_energy_rank']['mean']:.1f}, score numerical rank "
+                     f"{s['score_numerical_rank']['mean']:.1f} (max {s['score_numerical_rank']['max']:.0f}); "
+                     f"{s['heads_above_gram_bound']}/{s['heads']} heads above the Gram bound d + 1")
+    return lines
 
 
 def _geometry(args) -> int:
@@ -137,28 +171,34 @@ def _geometry(args) -> int:
 
     results = run_geometry(args.out, args.models, labels=args.labels, samples=args.samples, length=args.length,
                            eps_values=args.eps, norm_layers=args.norm_layers, ablation_blocks=args.ablation_blocks)
+    return _print_table(geometry_table(results), args.out, "geometry.json", "geometry.png", seconds=results["seconds"])
+
+
+def geometry_table(results: dict) -> list[str]:
+    """The lines ``analyze geometry`` prints of its results."""
+    lines = []
     for label, report in results["models"].items():
         if report["proxies"]:
             means = ", ".join(f"{k} {sum(v) / len(v):.3g}" for k, v in report["proxies"].items())
-            print(f"{label}: layer means {means}")
+            lines.append(f"{label}: layer means {means}")
         for name, norm in report["rmsnorm_lipschitz"].items():
             fit = norm["worst_case_fit"]
-            print(f"  {name} RMSNorm Lipschitz vs eps: worst case exponent {fit['exponent']:.4f} (R² {fit['r2']:.4f}), "
-                  f"at real tokens {norm['on_data_fit']['exponent']:.4f} (R² {norm['on_data_fit']['r2']:.3f})")
+            lines.append(f"  {name} RMSNorm Lipschitz vs eps: worst case exponent {fit['exponent']:.4f} (R² "
+                         f"{fit['r2']:.4f}), at real tokens {norm['on_data_fit']['exponent']:.4f} (R² "
+                         f"{norm['on_data_fit']['r2']:.3f})")
         if report.get("ablation"):
             a = report["ablation"]
-            print(f"  held-out loss ({a['blocks']} x {a['tokens_per_block']} tokens): learned {a['learned']:.4f}, "
-                  f"attention metric off {a['attention_metric_off']:.4f}, MLP metric off {a['mlp_metric_off']:.4f}, "
-                  f"both off (backbone) {a['backbone']:.4f}")
+            lines.append(f"  held-out loss ({a['blocks']} x {a['tokens_per_block']} tokens): learned "
+                         f"{a['learned']:.4f}, attention metric off {a['attention_metric_off']:.4f}, MLP metric off "
+                         f"{a['mlp_metric_off']:.4f}, both off (backbone) {a['backbone']:.4f}")
         entropy = report["attention_entropy"]
-        print(f"  attention entropy (mean over layers) at context {entropy['bins'][-1]}: "
-              f"{entropy['mean_over_layers'][-1]:.3f} nats (uniform {entropy['uniform'][-1]:.3f})")
-    print(f"{results['seconds']:.0f} s -> {Path(args.out) / 'geometry.json'}, {Path(args.out) / 'geometry.png'}")
-    return 0
+        lines.append(f"  attention entropy (mean over layers) at context {entropy['bins'][-1]}: "
+                     f"{entropy['mean_over_layers'][-1]:.3f} nats (uniform {entropy['uniform'][-1]:.3f})")
+    return lines
 
 
 def _ide(args) -> int:
-    from .ide import run_ide, trajectory_currents
+    from .reports import run_ide
 
     results = run_ide(args.out, args.models, labels=args.labels, observables=args.observables, samples=args.samples,
                       length=args.length, torsion_steps=args.torsion_steps, torsion_layers=args.torsion_layers,
@@ -166,11 +206,19 @@ def _ide(args) -> int:
                       rope_max_offset=args.rope_max_offset, current_steps=args.current_steps,
                       current_block_size=args.current_block_size, current_batch=args.current_batch,
                       sgd_learning_rate=args.sgd_learning_rate, adamw_learning_rate=args.adamw_learning_rate)
+    return _print_table(ide_table(results), args.out, "ide.json", "ide.png")
+
+
+def ide_table(results: dict) -> list[str]:
+    """The lines ``analyze ide`` prints of its results."""
+    from .ide import trajectory_currents
+
+    lines = []
     for label, model in results["models"].items():
-        print(f"{label}:")
+        lines.append(f"{label}:")
         if "torsion" in model:
-            print(f"  splitting torsion ||T(h)|| ~ h^p: median exponent over layers "
-                  f"{model['torsion']['exponent_median']:.3f} (prediction 2)")
+            lines.append(f"  splitting torsion ||T(h)|| ~ h^p: median exponent over layers "
+                         f"{model['torsion']['exponent_median']:.3f} (prediction 2)")
         if "ablation" in model:
             fit = model["ablation"]["fit"]
             line = ("too few layers for a fit" if fit["slope"] is None else
@@ -179,32 +227,33 @@ def _ide(args) -> int:
             pair = model["ablation"].get("pair_fit") or {}
             pair_line = ("" if pair.get("slope") is None else
                          f", measured asymmetry = {pair['slope']:.3f} x predicted (R² {pair['r2']:.3f})")
-            print(f"  ablation: {line}; symmetric pairs whose asymmetry has the predicted sign: "
-                  f"{model['ablation']['pair_signs_agree']} of {len(model['ablation']['pairs'])}{pair_line}")
+            lines.append(f"  ablation: {line}; symmetric pairs whose asymmetry has the predicted sign: "
+                         f"{model['ablation']['pair_signs_agree']} of {len(model['ablation']['pairs'])}{pair_line}")
             for partial in model["ablation"].get("partial", []):
                 if partial["fit"]["slope"] is not None:
-                    print(f"  removing {partial['fraction']:g} of each update: measured = {partial['fit']['slope']:.3f}"
-                          f" x prediction (R² {partial['fit']['r2']:.3f}; the dual law's first order: 1)")
+                    lines.append(f"  removing {partial['fraction']:g} of each update: measured = "
+                                 f"{partial['fit']['slope']:.3f} x prediction (R² {partial['fit']['r2']:.3f}; the "
+                                 "dual law's first order: 1)")
         if "rope" in model:
             decay = model["rope"]["decay"]
-            print(f"  rotary recurrence ~ m^p: mean {decay['mean_fit']['exponent']:.3f} "
-                  f"(R² {decay['mean_fit']['r2']:.3f}), envelope {decay['envelope_fit']['exponent']:.3f} "
-                  f"(R² {decay['envelope_fit']['r2']:.3f}); prediction -1")
+            lines.append(f"  rotary recurrence ~ m^p: mean {decay['mean_fit']['exponent']:.3f} "
+                         f"(R² {decay['mean_fit']['r2']:.3f}), envelope {decay['envelope_fit']['exponent']:.3f} "
+                         f"(R² {decay['envelope_fit']['r2']:.3f}); prediction -1")
             if decay.get("mean_log_fit", {}).get("slope") is not None:
                 log_fit = decay["mean_log_fit"]
-                print(f"  rotary recurrence linear in ln m: mean slope {log_fit['slope']:.4f} "
-                      f"(R² {log_fit['r2']:.3f})")
+                lines.append(f"  rotary recurrence linear in ln m: mean slope {log_fit['slope']:.4f} "
+                             f"(R² {log_fit['r2']:.3f})")
         for name in (name for name in ("sgd", "adamw") if name in model.get("current", {})):
             run = model["current"][name]
             lag = run["lags"]["1"] if "1" in run["lags"] else run["lags"][1]
             curved = trajectory_currents(run["trajectory"], degree=2, lags=(1,))[1]  # is it the drift's curvature?
-            print(f"  {name} (lr {run['learning_rate']:g}): lag-1 current {lag['current']:+.4f} "
-                  f"[{lag['interval'][0]:+.4f}, {lag['interval'][1]:+.4f}]"
-                  + (" excludes 0" if lag["excludes_zero"] else " includes 0")
-                  + f"; quadratics removed {curved['current']:+.4f} [{curved['interval'][0]:+.4f}, "
-                    f"{curved['interval'][1]:+.4f}]" + (" excludes 0" if curved["excludes_zero"] else " includes 0"))
-    print(f"-> {Path(args.out) / 'ide.json'}, {Path(args.out) / 'ide.png'}")
-    return 0
+            lines.append(f"  {name} (lr {run['learning_rate']:g}): lag-1 current {lag['current']:+.4f} "
+                         f"[{lag['interval'][0]:+.4f}, {lag['interval'][1]:+.4f}]"
+                         + (" excludes 0" if lag["excludes_zero"] else " includes 0")
+                         + f"; quadratics removed {curved['current']:+.4f} [{curved['interval'][0]:+.4f}, "
+                           f"{curved['interval'][1]:+.4f}]"
+                         + (" excludes 0" if curved["excludes_zero"] else " includes 0"))
+    return lines
 
 
 def _model_arguments(parser, *, required: bool) -> None:
@@ -262,174 +311,198 @@ SUBCOMMANDS = {
 }
 
 
-def analyze_parser() -> argparse.ArgumentParser:
+def _collapse_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``analyze collapse``."""
+    parser.add_argument("--seeds", type=int, default=20, help="random stacks per configuration")
+    parser.add_argument("--depth", type=int, default=32, help="layers of each stack")
+    parser.add_argument("--width", type=int, default=64, help="model width D of the stacks")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads of the stacks")
+    parser.add_argument("--tokens", type=int, default=32, help="tokens per stack input")
+    parser.add_argument("--metric-rank", type=int, default=2, help="metric rank r of the Riemannian stacks")
+    parser.add_argument("--code-width", type=int, default=16, help="fibre code width m of the Riemannian stacks")
+    parser.add_argument("--alphas", type=float, nargs="+", default=[1.0, 10.0, 100.0],
+                        help="metric gates alpha of the Riemannian stacks (G = I + alpha U U^T)")
+    parser.add_argument("--threshold", type=float, default=1e-3,
+                        help="report the first depth at which the residual falls below this")
+    parser.add_argument("--no-stacks", action="store_true", help="measure only MODELS, not the random stacks")
+
+
+def _intrinsic_rank_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``analyze intrinsic-rank``."""
+    parser.add_argument("--threshold", type=float, default=0.9, help="energy fraction of the effective rank")
+    parser.add_argument("--rtol", type=float, default=1e-10, help="relative tolerance of the numerical rank")
+
+
+def _geometry_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``analyze geometry``."""
+    parser.add_argument("--eps", type=float, nargs="+", default=None,
+                        help="RMSNorm eps values of the sweep (default: 10 values from 1e-10 to 1e-1)")
+    parser.add_argument("--norm-layers", type=int, nargs="+", default=None,
+                        help="layers whose input RMSNorm is swept (default: first, middle, last; the final norm "
+                             "always)")
+    parser.add_argument("--ablation-blocks", type=int, default=0,
+                        help="also score the model on this many held-out 256-token blocks (the main job's eval "
+                             "split) with the attention metric, the MLP metric and both switched off (0: skip)")
+
+
+def _ide_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``analyze ide``."""
+    parser.add_argument("--observables", nargs="+", default=["torsion", "ablation", "rope", "current"],
+                        choices=["torsion", "ablation", "rope", "current"], help="which observables to measure")
+    parser.add_argument("--torsion-steps", type=float, nargs="+", default=None,
+                        help="steps h of the splitting torsion (default 1e-4 ... 1)")
+    parser.add_argument("--torsion-layers", type=int, nargs="+", default=None, help="layers measured (default: all)")
+    parser.add_argument("--ablation-blocks", type=int, default=8,
+                        help="held-out 256-token blocks (the main job's eval split) scored with each layer removed")
+    parser.add_argument("--rope-pairs", type=int, default=64, help="(query, key) token pairs per layer and head")
+    parser.add_argument("--rope-max-offset", type=int, default=None,
+                        help="largest relative offset (default: the model's max_position_embeddings)")
+    parser.add_argument("--current-steps", type=int, default=300, help="training steps per optimiser (current)")
+    parser.add_argument("--current-block-size", type=int, default=128, help="tokens per training block (current)")
+    parser.add_argument("--current-batch", type=int, default=1, help="blocks per training step (current)")
+    parser.add_argument("--sgd-learning-rate", type=float, default=1e-3,
+                        help="constant rate of plain SGD, no momentum (current)")
+    parser.add_argument("--adamw-learning-rate", type=float, default=1e-5,
+                        help="constant rate of AdamW, no weight decay (current)")
+
+
+def _compare_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``analyze compare``."""
+    parser.add_argument("converted", help="a Fiber Bundle folder converted from SOURCE")
+    parser.add_argument("source", help="the unconverted checkpoint: a folder, a Hub id or a .gguf file")
+    parser.add_argument("--out", required=True, help="folder for compare.json and compare.png")
+    parser.add_argument("--gguf-file", default=None, help="GGUF file name inside SOURCE when SOURCE is a folder")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="training seeds")
+    parser.add_argument("--arms", nargs="+", default=["metric-only", "lora-source", "lora+metric"],
+                        choices=["metric-only", "lora-source", "lora+metric"], help="which arms to run")
+    parser.add_argument("--max-steps", type=int, default=16, help="optimiser steps per run")
+    parser.add_argument("--batch-size", type=int, default=8, help="blocks per step")
+    parser.add_argument("--block-size", type=int, default=256, help="tokens per block")
+    parser.add_argument("--metric-learning-rate", type=float, default=2e-2, help="learning rate of the metric")
+    parser.add_argument("--lora-learning-rate", type=float, default=1e-3, help="learning rate of the LoRA weights")
+    parser.add_argument("--lora-r", type=int, default=None,
+                        help="LoRA rank (default: the rank that trains as many parameters as the metric)")
+    parser.add_argument("--eval-blocks", type=int, default=None,
+                        help="score on the first N held-out blocks only (default: all)")
+
+
+def _optimizers_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``analyze optimizers``."""
     from fiber_bundle.training.riemannian import GAUGES, OPTIMIZERS
 
     from .optimizers import design_points
 
+    parser.add_argument("converted", nargs="?", default=None,
+                        help="a converted Fiber Bundle folder (its metric at the graft value); omit with "
+                             "--from-scratch")
+    parser.add_argument("--out", required=True, help="folder for optimizers.json")
+    parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=list(design_points()),
+                        metavar="NAME", help="which optimisers to compare (AdamW runs first): adamw, "
+                                             "riemannian-quotient, riemannian-embedded, stiefel-euclidean, "
+                                             "stiefel-canonical, grassmann, or a geometry's block variant "
+                                             "(NAME+block)")
+    parser.add_argument("--learning-rates", type=float, nargs="+", default=None,
+                        help="one sweep grid for every optimiser (default: each optimiser's own grid)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
+                        help="seeds; the first one is used for the sweep")
+    parser.add_argument("--mode", choices=["metric-only", "lora", "full"], default=None,
+                        help="the task (default: metric-only for a converted folder, full from scratch)")
+    parser.add_argument("--from-scratch", default=None, metavar="ARM",
+                        help="the optimiser abstract's setting: train a fresh small model of this analyze scratch "
+                             "arm (euclidean, gates-0, strong-ALPHA) per run on the standard library's source, "
+                             "the geometry on the per-head W_Q / W_K pairs only, the rest with AdamW")
+    parser.add_argument("--compile", action="store_true",
+                        help="train through torch.compile; the time per step is then the median step")
+    parser.add_argument("--warmup-steps", type=int, default=10,
+                        help="linear warm-up steps before the linear decay (--from-scratch)")
+    parser.add_argument("--block", action="store_true",
+                        help="the block variants of every geometry (or name them: --optimizers grassmann+block)")
+    parser.add_argument("--gauge", choices=list(GAUGES), default="balanced",
+                        help="the factors riemannian-embedded stores each retracted X as: balanced, or continuous "
+                             "(nearest the previous factors; for W_Q / W_K, whose RoPE breaks the gauge symmetry)")
+    parser.add_argument("--lora-r", type=int, default=8, help="LoRA rank in --mode lora")
+    parser.add_argument("--max-steps", type=int, default=16, help="optimiser steps per run")
+    parser.add_argument("--batch-size", type=int, default=4, help="blocks per step")
+    parser.add_argument("--block-size", type=int, default=256, help="tokens per block")
+    parser.add_argument("--eval-blocks", type=int, default=8, help="held-out blocks scored after each run")
+    parser.add_argument("--max-extensions", type=int, default=3,
+                        help="grid steps the sweep may add beyond the grid's edge while the best rate lies there")
+    parser.add_argument("--adamw-learning-rate", type=float, default=None,
+                        help="AdamW rate of the non-factored parameters when adamw is not among --optimizers "
+                             "(default: AdamW's best rate already in OUT's results, else 3e-2)")
+
+
+def _scratch_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``analyze scratch``."""
+    parser.add_argument("--out", required=True, help="folder for scratch.json and scratch.png (rerun to continue)")
+    parser.add_argument("--arms", nargs="+", default=None,
+                        help="arms to run (default: euclidean gates-0 and strong-ALPHA for each --strong-alphas)")
+    parser.add_argument("--strong-alphas", type=float, nargs="+", default=[1.0, 10.0],
+                        help="alpha of the strong-start arms (gamma starts at 1)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
+                        help="seeds; the first one is used for the learning-rate sweep")
+    parser.add_argument("--learning-rates", type=float, nargs="+", default=[1e-3, 3e-3, 1e-2],
+                        help="the sweep grid of every arm")
+    parser.add_argument("--max-extensions", type=int, default=1,
+                        help="grid steps the sweep may add beyond the grid's edge while the best rate lies there")
+    parser.add_argument("--max-steps", type=int, default=200, help="optimiser steps per run")
+    parser.add_argument("--compile", action="store_true",
+                        help="train through torch.compile (transformers' torch_compile); the time per step leaves "
+                             "the compilation out and records it as compile_seconds")
+    parser.add_argument("--batch-size", type=int, default=16, help="blocks per step")
+    parser.add_argument("--block-size", type=int, default=128, help="bytes (tokens) per block")
+    parser.add_argument("--warmup-steps", type=int, default=10, help="linear warm-up steps before the linear decay")
+    parser.add_argument("--eval-blocks", type=int, default=64, help="held-out blocks scored")
+    parser.add_argument("--eval-every", type=int, default=25, help="score the held-out blocks every N steps")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 4)")
+    parser.add_argument("--width", type=int, default=None, help="hidden size (default 192)")
+    parser.add_argument("--intermediate-size", type=int, default=None,
+                        help="MLP width of the Riemannian arms (default 512; the Euclidean arm's is derived)")
+    parser.add_argument("--heads", type=int, default=None, help="attention heads (default 6)")
+    parser.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default 2)")
+    parser.add_argument("--metric-rank", type=int, default=None, help="attention metric rank r (default 2)")
+    parser.add_argument("--ffn-metric-rank", type=int, default=None, help="MLP preconditioner rank (default 2)")
+    parser.add_argument("--metric-hidden", type=int, default=None, help="fibre code width m (default 32)")
+    parser.add_argument("--metric-rate-ratios", type=float, nargs="+", default=None, metavar="RATIO",
+                        help="after each arm's rate sweep, give the metric's parameters their own rate, best rate x "
+                             "RATIO, each tried on the first seed (the one-rate run is ratio 1); the best pair runs on "
+                             "every seed")
+    parser.add_argument("--steps-by-arm", type=_arm_steps, nargs="+", default=None, metavar="ARM=STEPS",
+                        help="an arm's own number of steps (equal wall time: the steps its measured time per step "
+                             "allows in the budget); other arms run --max-steps")
+    parser.add_argument("--reuse-runs", nargs="+", default=(), metavar="FOLDER",
+                        help="other studies' --out folders: their finished runs that this study would repeat exactly "
+                             "(same model, data, budget, arm, steps, rates and seed) are taken over, not trained again")
+    parser.add_argument("--attention-only", action="store_true",
+                        help="layers without their MLP (x <- x + attention(RMSNorm(x))), the rank-collapse setting; "
+                             "the Euclidean twin then has fewer parameters (no MLP to widen)")
+
+
+# subcommand -> (its handler, the function adding its options, MODELS: required (True), optional (False) or none)
+COMMANDS = {
+    "collapse": (_collapse, _collapse_arguments, False),
+    "intrinsic-rank": (_intrinsic_rank, _intrinsic_rank_arguments, True),
+    "geometry": (_geometry, _geometry_arguments, True),
+    "ide": (_ide, _ide_arguments, True),
+    "compare": (_compare, _compare_arguments, None),
+    "optimizers": (_optimizers, _optimizers_arguments, None),
+    "scratch": (_scratch, _scratch_arguments, None),
+}
+
+
+def analyze_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fiber-bundle analyze",
         description="Measurements of the open problem (rank collapse), each writing JSON figures and a PNG plot.",
     )
     sub = parser.add_subparsers(dest="analysis", required=True)
-
-    def command(name: str, handler, *, models: bool | None = None) -> argparse.ArgumentParser:
-        """The parser of subcommand ``name``, running ``handler``; ``models``: MODELS required (True) or optional."""
+    for name, (handler, arguments, models) in COMMANDS.items():
         summary, description = SUBCOMMANDS[name]
-        found = sub.add_parser(name, help=summary, description=description)
+        command = sub.add_parser(name, help=summary, description=description)
         if models is not None:
-            _model_arguments(found, required=models)
-        found.set_defaults(handler=_run(handler))
-        return found
-
-    collapse = command("collapse", _collapse, models=False)
-    collapse.add_argument("--seeds", type=int, default=20, help="random stacks per configuration")
-    collapse.add_argument("--depth", type=int, default=32, help="layers of each stack")
-    collapse.add_argument("--width", type=int, default=64, help="model width D of the stacks")
-    collapse.add_argument("--heads", type=int, default=4, help="attention heads of the stacks")
-    collapse.add_argument("--tokens", type=int, default=32, help="tokens per stack input")
-    collapse.add_argument("--metric-rank", type=int, default=2, help="metric rank r of the Riemannian stacks")
-    collapse.add_argument("--code-width", type=int, default=16, help="fibre code width m of the Riemannian stacks")
-    collapse.add_argument("--alphas", type=float, nargs="+", default=[1.0, 10.0, 100.0],
-                          help="metric gates alpha of the Riemannian stacks (G = I + alpha U U^T)")
-    collapse.add_argument("--threshold", type=float, default=1e-3,
-                          help="report the first depth at which the residual falls below this")
-    collapse.add_argument("--no-stacks", action="store_true", help="measure only MODELS, not the random stacks")
-
-    rank = command("intrinsic-rank", _intrinsic_rank, models=True)
-    rank.add_argument("--threshold", type=float, default=0.9, help="energy fraction of the effective rank")
-    rank.add_argument("--rtol", type=float, default=1e-10, help="relative tolerance of the numerical rank")
-
-    geometry = command("geometry", _geometry, models=True)
-    geometry.add_argument("--eps", type=float, nargs="+", default=None,
-                          help="RMSNorm eps values of the sweep (default: 10 values from 1e-10 to 1e-1)")
-    geometry.add_argument("--norm-layers", type=int, nargs="+", default=None,
-                          help="layers whose input RMSNorm is swept (default: first, middle, last; the final norm "
-                               "always)")
-    geometry.add_argument("--ablation-blocks", type=int, default=0,
-                          help="also score the model on this many held-out 256-token blocks (the main job's eval "
-                               "split) with the attention metric, the MLP metric and both switched off (0: skip)")
-
-    ide = command("ide", _ide, models=True)
-    ide.add_argument("--observables", nargs="+", default=["torsion", "ablation", "rope", "current"],
-                     choices=["torsion", "ablation", "rope", "current"], help="which observables to measure")
-    ide.add_argument("--torsion-steps", type=float, nargs="+", default=None,
-                     help="steps h of the splitting torsion (default 1e-4 ... 1)")
-    ide.add_argument("--torsion-layers", type=int, nargs="+", default=None, help="layers measured (default: all)")
-    ide.add_argument("--ablation-blocks", type=int, default=8,
-                     help="held-out 256-token blocks (the main job's eval split) scored with each layer removed")
-    ide.add_argument("--rope-pairs", type=int, default=64, help="(query, key) token pairs per layer and head")
-    ide.add_argument("--rope-max-offset", type=int, default=None,
-                     help="largest relative offset (default: the model's max_position_embeddings)")
-    ide.add_argument("--current-steps", type=int, default=300, help="training steps per optimiser (current)")
-    ide.add_argument("--current-block-size", type=int, default=128, help="tokens per training block (current)")
-    ide.add_argument("--current-batch", type=int, default=1, help="blocks per training step (current)")
-    ide.add_argument("--sgd-learning-rate", type=float, default=1e-3,
-                     help="constant rate of plain SGD, no momentum (current)")
-    ide.add_argument("--adamw-learning-rate", type=float, default=1e-5,
-                     help="constant rate of AdamW, no weight decay (current)")
-
-    compare = command("compare", _compare)
-    compare.add_argument("converted", help="a Fiber Bundle folder converted from SOURCE")
-    compare.add_argument("source", help="the unconverted checkpoint: a folder, a Hub id or a .gguf file")
-    compare.add_argument("--out", required=True, help="folder for compare.json and compare.png")
-    compare.add_argument("--gguf-file", default=None, help="GGUF file name inside SOURCE when SOURCE is a folder")
-    compare.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="training seeds")
-    compare.add_argument("--arms", nargs="+", default=["metric-only", "lora-source", "lora+metric"],
-                         choices=["metric-only", "lora-source", "lora+metric"], help="which arms to run")
-    compare.add_argument("--max-steps", type=int, default=16, help="optimiser steps per run")
-    compare.add_argument("--batch-size", type=int, default=8, help="blocks per step")
-    compare.add_argument("--block-size", type=int, default=256, help="tokens per block")
-    compare.add_argument("--metric-learning-rate", type=float, default=2e-2, help="learning rate of the metric")
-    compare.add_argument("--lora-learning-rate", type=float, default=1e-3, help="learning rate of the LoRA weights")
-    compare.add_argument("--lora-r", type=int, default=None,
-                         help="LoRA rank (default: the rank that trains as many parameters as the metric)")
-    compare.add_argument("--eval-blocks", type=int, default=None,
-                         help="score on the first N held-out blocks only (default: all)")
-
-    optimizers = command("optimizers", _optimizers)
-    optimizers.add_argument("converted", nargs="?", default=None,
-                            help="a converted Fiber Bundle folder (its metric at the graft value); omit with "
-                                 "--from-scratch")
-    optimizers.add_argument("--out", required=True, help="folder for optimizers.json")
-    optimizers.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=list(design_points()),
-                            metavar="NAME", help="which optimisers to compare (AdamW runs first): adamw, "
-                                                 "riemannian-quotient, riemannian-embedded, stiefel-euclidean, "
-                                                 "stiefel-canonical, grassmann, or a geometry's block variant "
-                                                 "(NAME+block)")
-    optimizers.add_argument("--learning-rates", type=float, nargs="+", default=None,
-                            help="one sweep grid for every optimiser (default: each optimiser's own grid)")
-    optimizers.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
-                            help="seeds; the first one is used for the sweep")
-    optimizers.add_argument("--mode", choices=["metric-only", "lora", "full"], default=None,
-                            help="the task (default: metric-only for a converted folder, full from scratch)")
-    optimizers.add_argument("--from-scratch", default=None, metavar="ARM",
-                            help="the optimiser abstract's setting: train a fresh small model of this analyze scratch "
-                                 "arm (euclidean, gates-0, strong-ALPHA) per run on the standard library's source, "
-                                 "the geometry on the per-head W_Q / W_K pairs only, the rest with AdamW")
-    optimizers.add_argument("--compile", action="store_true",
-                            help="train through torch.compile; the time per step is then the median step")
-    optimizers.add_argument("--warmup-steps", type=int, default=10,
-                            help="linear warm-up steps before the linear decay (--from-scratch)")
-    optimizers.add_argument("--block", action="store_true",
-                            help="the block variants of every geometry (or name them: --optimizers grassmann+block)")
-    optimizers.add_argument("--gauge", choices=list(GAUGES), default="balanced",
-                            help="the factors riemannian-embedded stores each retracted X as: balanced, or continuous "
-                                 "(nearest the previous factors; for W_Q / W_K, whose RoPE breaks the gauge symmetry)")
-    optimizers.add_argument("--lora-r", type=int, default=8, help="LoRA rank in --mode lora")
-    optimizers.add_argument("--max-steps", type=int, default=16, help="optimiser steps per run")
-    optimizers.add_argument("--batch-size", type=int, default=4, help="blocks per step")
-    optimizers.add_argument("--block-size", type=int, default=256, help="tokens per block")
-    optimizers.add_argument("--eval-blocks", type=int, default=8, help="held-out blocks scored after each run")
-    optimizers.add_argument("--max-extensions", type=int, default=3,
-                            help="grid steps the sweep may add beyond the grid's edge while the best rate lies there")
-    optimizers.add_argument("--adamw-learning-rate", type=float, default=None,
-                            help="AdamW rate of the non-factored parameters when adamw is not among --optimizers "
-                                 "(default: AdamW's best rate already in OUT's results, else 3e-2)")
-
-    scratch = command("scratch", _scratch)
-    scratch.add_argument("--out", required=True, help="folder for scratch.json and scratch.png (rerun to continue)")
-    scratch.add_argument("--arms", nargs="+", default=None,
-                         help="arms to run (default: euclidean gates-0 and strong-ALPHA for each --strong-alphas)")
-    scratch.add_argument("--strong-alphas", type=float, nargs="+", default=[1.0, 10.0],
-                         help="alpha of the strong-start arms (gamma starts at 1)")
-    scratch.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
-                         help="seeds; the first one is used for the learning-rate sweep")
-    scratch.add_argument("--learning-rates", type=float, nargs="+", default=[1e-3, 3e-3, 1e-2],
-                         help="the sweep grid of every arm")
-    scratch.add_argument("--max-extensions", type=int, default=1,
-                         help="grid steps the sweep may add beyond the grid's edge while the best rate lies there")
-    scratch.add_argument("--max-steps", type=int, default=200, help="optimiser steps per run")
-    scratch.add_argument("--compile", action="store_true",
-                         help="train through torch.compile (transformers' torch_compile); the time per step leaves "
-                              "the compilation out and records it as compile_seconds")
-    scratch.add_argument("--batch-size", type=int, default=16, help="blocks per step")
-    scratch.add_argument("--block-size", type=int, default=128, help="bytes (tokens) per block")
-    scratch.add_argument("--warmup-steps", type=int, default=10, help="linear warm-up steps before the linear decay")
-    scratch.add_argument("--eval-blocks", type=int, default=64, help="held-out blocks scored")
-    scratch.add_argument("--eval-every", type=int, default=25, help="score the held-out blocks every N steps")
-    scratch.add_argument("--layers", type=int, default=None, help="decoder layers (default 4)")
-    scratch.add_argument("--width", type=int, default=None, help="hidden size (default 192)")
-    scratch.add_argument("--intermediate-size", type=int, default=None,
-                         help="MLP width of the Riemannian arms (default 512; the Euclidean arm's is derived)")
-    scratch.add_argument("--heads", type=int, default=None, help="attention heads (default 6)")
-    scratch.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default 2)")
-    scratch.add_argument("--metric-rank", type=int, default=None, help="attention metric rank r (default 2)")
-    scratch.add_argument("--ffn-metric-rank", type=int, default=None, help="MLP preconditioner rank (default 2)")
-    scratch.add_argument("--metric-hidden", type=int, default=None, help="fibre code width m (default 32)")
-    scratch.add_argument("--metric-rate-ratios", type=float, nargs="+", default=None, metavar="RATIO",
-                         help="after each arm's rate sweep, give the metric's parameters their own rate, best rate x "
-                              "RATIO, each tried on the first seed (the one-rate run is ratio 1); the best pair runs on "
-                              "every seed")
-    scratch.add_argument("--steps-by-arm", type=_arm_steps, nargs="+", default=None, metavar="ARM=STEPS",
-                         help="an arm's own number of steps (equal wall time: the steps its measured time per step "
-                              "allows in the budget); other arms run --max-steps")
-    scratch.add_argument("--reuse-runs", nargs="+", default=(), metavar="FOLDER",
-                         help="other studies' --out folders: their finished runs that this study would repeat exactly "
-                              "(same model, data, budget, arm, steps, rates and seed) are taken over, not trained again")
-    scratch.add_argument("--attention-only", action="store_true",
-                         help="layers without their MLP (x <- x + attention(RMSNorm(x))), the rank-collapse setting; "
-                              "the Euclidean twin then has fewer parameters (no MLP to widen)")
+            _model_arguments(command, required=models)
+        arguments(command)
+        command.set_defaults(handler=_run(handler))
     return parser
 
 

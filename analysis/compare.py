@@ -16,10 +16,9 @@ from pathlib import Path
 
 import torch
 
-from .models import load_causal_lm
+from .models import load_causal_lm, pydoc_blocks
 from .measures import summarise
 from .output import write_json
-from .plots import plot_compare
 
 ARMS = ("metric-only", "lora-source", "lora+metric")
 
@@ -48,13 +47,9 @@ def _trainable(model) -> int:
 
 
 def corpus(tokenizer, block_size: int, batch_size: int, max_eval_blocks: int | None = None):
-    """The main job's corpus as packed blocks: (train set, held-out set, a one-block probe batch). Pydoc topics split
-    by topic with split seed 0, so every run of every comparison scores on the same held-out blocks."""
-    from fiber_bundle.training.data import pack_blocks, pydoc_topics
-
-    train_text, eval_text = pydoc_topics(seed=0)
-    train_set = pack_blocks(train_text, tokenizer, block_size)
-    eval_set = pack_blocks(eval_text, tokenizer, block_size)
+    """The main job's corpus as packed blocks (``models.pydoc_blocks``): (train set, held-out set, a one-block probe
+    batch)."""
+    train_set, eval_set = pydoc_blocks(tokenizer, block_size)
     if max_eval_blocks is not None:
         eval_set = eval_set.select(range(min(max_eval_blocks, len(eval_set))))
     if len(train_set) < batch_size:
@@ -62,7 +57,7 @@ def corpus(tokenizer, block_size: int, batch_size: int, max_eval_blocks: int | N
     return train_set, eval_set, torch.tensor(eval_set[:1]["input_ids"])
 
 
-def run_compare(
+def compare_study(
     converted: str | Path,
     source: str | Path,
     output_dir: str | Path,
@@ -79,7 +74,8 @@ def run_compare(
     max_eval_blocks: int | None = None,
     progress: bool = True,
 ) -> dict:
-    """Train every arm with every seed; write ``compare.json`` (after every run) and ``compare.png``.
+    """Train every arm with every seed; write ``compare.json`` after every run (``reports.run_compare`` also draws
+    ``compare.png``).
 
     Arguments:
         converted: a Fiber Bundle folder converted from ``source`` (graft: it starts as the source).
@@ -150,7 +146,6 @@ def run_compare(
         results["summary"] = summarise_runs(results["runs"])
         write_json(output_dir / "compare.json", results)
         del trainer, trained, model
-    plot_compare(results, output_dir / "compare.png")
     return results
 
 

@@ -33,13 +33,16 @@ CHOICE_TASK = "arithmetic_choice"
 DOCUMENT_CHARACTERS = 2000  # the longest pydoc_perplexity document (about 500 tokens of a 49k-token BPE vocabulary)
 CHOICE_ITEMS = 40
 
-_PERPLEXITY_YAML = """\
+_DATA_YAML = """\
 task: {task}
 dataset_path: json
 dataset_kwargs:
   data_files:
     test: {data}
 test_split: test
+"""  # a packaged task reads its documents from one JSON file written beside its YAML
+
+_PERPLEXITY_YAML = _DATA_YAML + """\
 output_type: loglikelihood_rolling
 doc_to_text: ""
 doc_to_target: "{{{{text}}}}"
@@ -57,13 +60,7 @@ metadata:
   version: 1.0
 """
 
-_CHOICE_YAML = """\
-task: {task}
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
+_CHOICE_YAML = _DATA_YAML + """\
 output_type: multiple_choice
 doc_to_text: "{{{{question}}}}"
 doc_to_choice: "{{{{choices}}}}"

@@ -6,7 +6,8 @@
   ``centre_rows`` and ``summarise``, in ``fiber_bundle.conversion.rank`` (the conversion's ``--metric-rank auto`` uses
   it) and is re-exported here.
 - ``numerical_rank``: singular values above a relative tolerance (the non-Gram check of docs/design.md 1.2).
-- ``fit_power_law``: y = c x^p fitted in log-log space, with its R^2 (the RMSNorm Lipschitz exponent).
+- ``linear_fit``: the least-squares line with its R^2 and the slope's interval; ``fit_power_law``: the same line in
+  log-log space, y = c x^p (the RMSNorm Lipschitz exponent, the IDE picture's decay exponents).
 - ``rmsnorm_lipschitz``: the largest spectral norm of RMSNorm's Jacobian over a set of inputs, by autograd.
 - ``attention_entropy``: entropy of each row of attention probabilities.
 """
@@ -51,29 +52,45 @@ def attention_entropy(probs: torch.Tensor) -> torch.Tensor:
     return -(p * torch.log(torch.where(p > 0, p, torch.ones_like(p)))).sum(-1)
 
 
+def _least_squares_line(x, y, confidence: float) -> tuple[float, float, float, list[float] | None]:
+    """(slope, intercept, R^2, the slope's t-interval at ``confidence``) of the least-squares line y = a x + b through
+    two or more points; the interval (n - 2 degrees of freedom) is None for two, R^2 NaN for a constant y."""
+    x = torch.as_tensor(x, dtype=torch.float64)
+    y = torch.as_tensor(y, dtype=torch.float64)
+    design = torch.stack([x, torch.ones_like(x)], dim=-1)  # (k, 2)
+    solution = torch.linalg.lstsq(design, y[:, None]).solution[:, 0]
+    ss_res = (y - design @ solution).pow(2).sum()
+    ss_tot = (y - y.mean()).pow(2).sum()
+    r2 = 1.0 - (ss_res / ss_tot).item() if ss_tot > 0 else float("nan")
+    interval = None
+    if x.numel() > 2:
+        from scipy import stats
+
+        spread = (x - x.mean()).pow(2).sum()
+        stderr = math.sqrt(ss_res.item() / (x.numel() - 2) / spread.item()) if spread > 0 else float("nan")
+        half = float(stats.t.ppf(0.5 + confidence / 2, x.numel() - 2)) * stderr
+        interval = [solution[0].item() - half, solution[0].item() + half]
+    return solution[0].item(), solution[1].item(), r2, interval
+
+
+def linear_fit(x, y, confidence: float = 0.95) -> dict:
+    """Least squares y = a x + b: slope, intercept, R^2 and the slope's t-interval (n - 2 degrees of freedom); all None
+    for fewer than three points."""
+    if len(x) < 3:  # two points fit any line exactly: no interval, no R^2 worth the name
+        return {"slope": None, "intercept": None, "r2": None, "slope_interval": None}
+    slope, intercept, r2, interval = _least_squares_line(x, y, confidence)
+    r2 = 0.0 if math.isnan(r2) else r2  # a constant y: nothing explained (scipy.stats.linregress's convention)
+    return {"slope": slope, "intercept": intercept, "r2": r2, "slope_interval": interval}
+
+
 def fit_power_law(x, y, confidence: float = 0.95) -> dict:
     """Least-squares fit of log y = p log x + log c. Returns exponent p, prefactor c, R^2 of the log-log fit and the
     exponent's t-interval at ``confidence`` (n - 2 degrees of freedom; None for two points)."""
-    lx = torch.log(torch.as_tensor(x, dtype=torch.float64))
-    ly = torch.log(torch.as_tensor(y, dtype=torch.float64))
-    if lx.numel() < 2:
+    if len(x) < 2:
         raise ValueError("a power-law fit needs at least two points.")
-    design = torch.stack([lx, torch.ones_like(lx)], dim=-1)  # (k, 2)
-    solution = torch.linalg.lstsq(design, ly[:, None]).solution[:, 0]
-    predicted = design @ solution
-    ss_res = (ly - predicted).pow(2).sum()
-    ss_tot = (ly - ly.mean()).pow(2).sum()
-    r2 = 1.0 - (ss_res / ss_tot).item() if ss_tot > 0 else float("nan")
-    interval = None
-    if lx.numel() > 2:
-        from scipy import stats
-
-        spread = (lx - lx.mean()).pow(2).sum()
-        stderr = math.sqrt(ss_res.item() / (lx.numel() - 2) / spread.item()) if spread > 0 else float("nan")
-        half = float(stats.t.ppf(0.5 + confidence / 2, lx.numel() - 2)) * stderr
-        interval = [solution[0].item() - half, solution[0].item() + half]
-    return {"exponent": solution[0].item(), "prefactor": math.exp(solution[1].item()), "r2": r2,
-            "exponent_interval": interval}
+    log = lambda v: torch.log(torch.as_tensor(v, dtype=torch.float64))  # noqa: E731
+    exponent, log_prefactor, r2, interval = _least_squares_line(log(x), log(y), confidence)
+    return {"exponent": exponent, "prefactor": math.exp(log_prefactor), "r2": r2, "exponent_interval": interval}
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

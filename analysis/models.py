@@ -31,3 +31,32 @@ def sample_ids(tokenizer, num_samples: int, length: int) -> torch.Tensor:
 
 def model_label(source: str | Path) -> str:
     return Path(str(source)).name or str(source)
+
+
+def model_labels(models, labels=None) -> list[str]:
+    """One distinct name per model for tables and figures: ``labels`` when given, else each folder's name (a GGUF file's
+    stem); a count that differs from the models', or a repeated name, is refused with the option that fixes it."""
+    if labels is None:
+        names = [Path(str(m)).stem if str(m).endswith(".gguf") else model_label(m) for m in models]
+    else:
+        names = list(labels)
+    if len(names) != len(models):
+        raise ValueError(f"{len(names)} labels for {len(models)} models: give one --labels entry per model.")
+    if len(set(names)) != len(names):
+        raise ValueError(f"labels must be distinct, got {names}: pass --labels.")
+    return names
+
+
+def pydoc_blocks(tokenizer, block_size: int):
+    """The main job's corpus as packed blocks, (train set, held-out set): pydoc topics split by topic with split seed 0,
+    so every analysis scores on the same held-out blocks the main job does."""
+    from fiber_bundle.training.data import pack_blocks, pydoc_topics
+
+    train_text, eval_text = pydoc_topics(seed=0)
+    return pack_blocks(train_text, tokenizer, block_size), pack_blocks(eval_text, tokenizer, block_size)
+
+
+def held_out_ids(tokenizer, blocks: int, block_size: int = 256) -> torch.Tensor:
+    """The first ``blocks`` blocks of the main job's held-out split (``pydoc_blocks``), as (blocks, block_size) ids."""
+    packed = pydoc_blocks(tokenizer, block_size)[1]
+    return torch.tensor(packed[: min(blocks, len(packed))]["input_ids"])

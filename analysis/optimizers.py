@@ -7,7 +7,8 @@ metric generators in metric-only training, LoRA pairs in LoRA training); every o
 biases) uses AdamW at the best AdamW rate of the same sweep, so the pairs' optimiser is the only difference between
 arms.
 Every run starts from the same backbone with the metric generators drawn by its seed (gates at the graft value 0).
-Results are written after every run and a rerun with the same settings continues where it stopped.
+Results are written after every run (``study.run_study``, one optimiser after the other) and a rerun with the same
+settings continues where it stopped; a folder of other settings is refused.
 
 ``from_scratch`` is the setting of the optimiser abstract: a small model of ``analyze scratch`` (its arm: ``euclidean``,
 metric off, or a Riemannian start) trained from random initialisation in full on the standard library's source, the
@@ -16,7 +17,6 @@ orthonormal), everything else with AdamW at AdamW's best rate. The design points
 variants (``stiefel-canonical+block``: each query head its own factor, sharing its KV group's key factor).
 """
 
-import json
 import math
 import tempfile
 import time
@@ -27,7 +27,7 @@ import torch
 from .compare import corpus
 from .measures import paired_interval, summarise
 from .models import load_causal_lm
-from .output import write_json
+from .study import StepClock, StudyFile, run_study
 
 DEFAULT_GRIDS = {  # AdamW around its known range; the Riemannian steps are plain (no Adam scaling): a decade grid
     "adamw": (1e-2, 3e-2, 1e-1),
@@ -106,8 +106,6 @@ def run_optimizer_comparison(
         gauge: the factors riemannian-embedded stores its X as (``training.riemannian.GAUGES``; recorded in the
             settings when not the default "balanced").
     """
-    from tqdm.auto import tqdm
-
     from fiber_bundle.training.riemannian import GAUGES
     from fiber_bundle.training.trainer import evaluation_loss, train_model
 
@@ -126,9 +124,8 @@ def run_optimizer_comparison(
                                                                     "'metric-only' or 'lora'."))
     grids = {**DEFAULT_GRIDS, **{f"{g}+block": grid for g, grid in DEFAULT_GRIDS.items()}, **(grids or {})}
     optimizers = sorted(optimizers, key=lambda name: name != "adamw")  # AdamW first
-    output_dir = Path(output_dir)
     if from_scratch:
-        from .scratch import DEFAULT_MODEL, StepClock, arm_config, scratch_corpus
+        from .scratch import DEFAULT_MODEL, arm_config, scratch_corpus
         from fiber_bundle.training.scratch import byte_tokenizer, fresh_model
 
         tokenizer = byte_tokenizer()
@@ -152,22 +149,20 @@ def run_optimizer_comparison(
             return model
 
         source = {"converted": str(converted)}
-    settings = {**source, **({"gauge": gauge} if gauge != "balanced" else {}),  # the default keeps older folders
+    settings = {**source, **({"gauge": gauge} if gauge != "balanced" else {}),  # the default is left out of the file
                 "mode": mode, "block": block, "lora_r": lora_r if mode == "lora" else None,
                 "budget": {"steps": max_steps, "batch_size": batch_size, "block_size": block_size,
                            "tokens": max_steps * batch_size * block_size},
                 "eval_blocks": len(eval_set), "seeds": list(seeds), "threads": torch.get_num_threads()}
-    path = output_dir / "optimizers.json"
-    results = {**settings, "eval_loss_before": before, "runs": []}
-    if path.is_file():  # continue a stopped comparison (or add optimisers to it) with the same settings
-        previous = json.loads(path.read_text())
-        if all(previous.get(key) == value for key, value in settings.items()):
-            results.update(runs=previous.get("runs", []), best=previous.get("best", {}))
+    # the optimisers are not settings: a rerun may add some to a finished comparison
+    file = StudyFile(output_dir, "optimizers", settings, fresh={"eval_loss_before": before},
+                     arm_field="optimizer")
+    results = file.results
+    results.setdefault("best", {})
+    adamw_lr = adamw_learning_rate or results["best"].get("adamw", {}).get("learning_rate", 3e-2)
 
-    def run(name: str, lr: float, seed: int, adamw_lr: float) -> dict:
-        for done in results["runs"]:
-            if (done["optimizer"], done["learning_rate"], done["seed"]) == (name, lr, seed):
-                return done
+    def run(name: str, seed: int, setting: dict) -> dict:
+        lr = setting["learning_rate"]
         if compile:  # a fresh compilation per run (see analyze scratch)
             torch.compiler.reset()
         model = new_model(seed)
@@ -187,45 +182,28 @@ def run_optimizer_comparison(
                                   callbacks=(clock,) if clock else (), **kwargs)
             seconds = time.perf_counter() - started
         after = evaluation_loss(trainer.model, eval_set, batch_size)
-        record = {"optimizer": name, "learning_rate": lr, "seed": seed, "adamw_learning_rate": adamw_lr,
-                  "eval_loss_after": after if math.isfinite(after) else None,
-                  "seconds_per_step": seconds / max(1, trainer.state.global_step),
-                  **({"step_seconds_median": clock.median()} if clock else {}),
-                  "train_loss": [log["loss"] for log in trainer.state.log_history if "loss" in log]}
-        results["runs"].append(record)
-        write_json(path, results)
-        return record
+        return {"optimizer": name, "learning_rate": lr, "seed": seed, "adamw_learning_rate": adamw_lr,
+                "eval_loss_after": after if math.isfinite(after) else None,
+                "seconds_per_step": seconds / max(1, trainer.state.global_step),
+                **({"step_seconds_median": clock.median()} if clock else {}),
+                "train_loss": [log["loss"] for log in trainer.state.log_history if "loss" in log]}
 
-    def score(record):  # a diverged run (NaN) ranks last
-        return record["eval_loss_after"] if record["eval_loss_after"] is not None else math.inf
+    def refine(name: str, best: dict, records: list[dict]) -> list[dict]:  # the geometric midpoints around the best
+        tried = [r["learning_rate"] for r in records]
+        return [{"learning_rate": lr} for lr in _midpoints(tried, best["learning_rate"])]
 
-    bar = tqdm(total=len(optimizers), desc="optimizers", disable=not progress)
-    results.setdefault("best", {})
-    adamw_lr = adamw_learning_rate or results["best"].get("adamw", {}).get("learning_rate", 3e-2)
-    for name in optimizers:
-        bar.set_postfix_str(name)
-        grid = sorted(float(lr) for lr in grids[name])
-        sweep = [run(name, lr, seeds[0], adamw_lr) for lr in grid]
-        step = grid[-1] / grid[-2] if len(grid) > 1 else 10.0
-        for _ in range(max_extensions):  # the best rate at an edge of what was tried: go one grid step further
-            best, tried = min(sweep, key=score)["learning_rate"], [r["learning_rate"] for r in sweep]
-            if best not in (min(tried), max(tried)) or len(tried) < 2:
-                break
-            sweep.append(run(name, best * step if best == max(tried) else best / step, seeds[0], adamw_lr))
-        best = min(sweep, key=score)["learning_rate"]
-        sweep += [run(name, lr, seeds[0], adamw_lr) for lr in _midpoints([r["learning_rate"] for r in sweep], best)]
-        best = min(sweep, key=score)["learning_rate"]
-        tried = sorted(r["learning_rate"] for r in sweep)
-        if name == "adamw":
-            adamw_lr = best
-        for seed in seeds:
-            run(name, best, seed, adamw_lr)
-        results["best"][name] = {"learning_rate": best, "at_grid_edge": best in (tried[0], tried[-1]),
-                                 "swept": {r["learning_rate"]: r["eval_loss_after"] for r in sweep}}
-        results["summary"] = summarise_optimizers(results)
-        write_json(path, results)
-        bar.update()
-    bar.close()
+    def tuned(name: str, best: dict, records: list[dict]) -> None:
+        nonlocal adamw_lr
+        if name == "adamw":  # the other arms' non-factored parameters train at AdamW's best rate
+            adamw_lr = best["learning_rate"]
+        tried = sorted(r["learning_rate"] for r in records)
+        results["best"][name] = {"learning_rate": best["learning_rate"],
+                                 "at_grid_edge": best["learning_rate"] in (tried[0], tried[-1]),
+                                 "swept": {r["learning_rate"]: r["eval_loss_after"] for r in records}}
+
+    run_study(file, optimizers, list(seeds), run, grids={name: grids[name] for name in optimizers},
+              max_extensions=max_extensions, refine=refine, tuned=tuned, summarise=summarise_optimizers,
+              arm_by_arm=True, desc="optimizers", progress=progress)
     return results
 
 

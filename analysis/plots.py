@@ -3,7 +3,7 @@
 import math
 from pathlib import Path
 
-from .output import figure, save_figure
+from .output import figure, label_axes, save_figure
 
 STYLES = {"euclidean": ("C0", "-"), "euclidean-distance": ("C2", "--"), "riemannian": ("C3", "-")}
 
@@ -33,10 +33,7 @@ def plot_collapse(results: dict, path: str | Path) -> Path:
             _band(ax, depths, variant["log10_per_depth"], color, style, label)
         ax.axhline(results["threshold"], color="k", lw=0.6, ls=":")
         ax.set_yscale("log")
-        ax.set_xlabel("layer")
-        ax.set_ylabel("‖X − 1xᵀ‖ / ‖X‖")
-        ax.set_title(stack["title"], fontsize=9)
-        ax.legend(fontsize=7)
+        label_axes(ax, "layer", "‖X − 1xᵀ‖ / ‖X‖", title=stack["title"], legend=7)
     if models:
         ax = axes[len(stacks)]
         for i, (label, curve) in enumerate(models.items()):
@@ -46,10 +43,8 @@ def plot_collapse(results: dict, path: str | Path) -> Path:
             ax.plot(depths, [s["mean"] for s in curve["per_depth_without_first_token"]], color=f"C{i}", ls=":",
                     lw=1, label=f"{label} (without token 0)")
         ax.set_yscale("log")
-        ax.set_xlabel("layer (residual stream entering it)")
-        ax.set_ylabel("‖X − 1xᵀ‖ / ‖X‖")
-        ax.set_title("real models on real text (mean ± std over samples)", fontsize=9)
-        ax.legend(fontsize=6)
+        label_axes(ax, "layer (residual stream entering it)", "‖X − 1xᵀ‖ / ‖X‖",
+                   title="real models on real text (mean ± std over samples)", legend=6)
     for ax in axes[panels:]:
         ax.axis("off")
     return save_figure(fig, path)
@@ -70,10 +65,8 @@ def plot_intrinsic_rank(results: dict, path: str | Path) -> Path:
             ax.fill_between(layers, [min(v) for v in values], [max(v) for v in values], color=color, alpha=0.12, lw=0)
         ax.axhline(rank["head_dim"] + 1, color="k", lw=0.7, ls="--", label="Gram bound d + 1")
         ax.set_yscale("log")
-        ax.set_xlabel("layer")
-        ax.set_ylabel("rank (band: min..max over heads)")
-        ax.set_title(f"{label}: {rank['samples']} x {rank['tokens']} tokens", fontsize=9)
-        ax.legend(fontsize=7)
+        label_axes(ax, "layer", "rank (band: min..max over heads)",
+                   title=f"{label}: {rank['samples']} x {rank['tokens']} tokens", legend=7)
     return save_figure(fig, path)
 
 
@@ -102,10 +95,8 @@ def plot_geometry(results: dict, path: str | Path) -> Path:
                             label=f"{name} at real tokens: slope {norm['on_data_fit']['exponent']:.3f}")
         ax_lip.set_xscale("log")
         ax_lip.set_yscale("log")
-        ax_lip.set_xlabel("RMSNorm eps")
-        ax_lip.set_ylabel("Lipschitz constant")
-        ax_lip.set_title("RMSNorm Lipschitz constant vs eps (prediction: slope −1/2)", fontsize=9)
-        ax_lip.legend(fontsize=5)
+        label_axes(ax_lip, "RMSNorm eps", "Lipschitz constant",
+                   title="RMSNorm Lipschitz constant vs eps (prediction: slope −1/2)", legend=5)
         entropy = report["attention_entropy"]
         centres = [(lo + hi) / 2 for lo, hi in entropy["bins"]]
         ax_ent.plot(centres, entropy["uniform"], color="k", ls="--", lw=0.8, label="uniform, log c")
@@ -114,10 +105,8 @@ def plot_geometry(results: dict, path: str | Path) -> Path:
         for j in sorted({0, len(layers) // 2, len(layers) - 1}):
             ax_ent.plot(centres, layers[j], lw=0.8, alpha=0.7, label=f"layer {j}")
         ax_ent.set_xscale("log")
-        ax_ent.set_xlabel("context length c")
-        ax_ent.set_ylabel("attention entropy (nats)")
-        ax_ent.set_title("attention entropy vs context length", fontsize=9)
-        ax_ent.legend(fontsize=7)
+        label_axes(ax_ent, "context length c", "attention entropy (nats)",
+                   title="attention entropy vs context length", legend=7)
     return save_figure(fig, path)
 
 
@@ -141,9 +130,7 @@ def plot_compare(results: dict, path: str | Path) -> Path:
     ax_loss.set_ylabel("held-out eval loss (nats/token)")
     ax_loss.set_title(f"after {results['budget']['tokens']:,} training tokens; mean ± std, {len(results['seeds'])} seeds")
     ax_loss.legend(fontsize=8)
-    ax_curve.set_xlabel("step")
-    ax_curve.set_ylabel("training loss (mean over seeds)")
-    ax_curve.legend(fontsize=8)
+    label_axes(ax_curve, "step", "training loss (mean over seeds)", legend=8)
     return save_figure(fig, path)
 
 
@@ -186,19 +173,11 @@ def plot_scratch(results: dict, path: str | Path) -> Path:
                           label=arm)
     budget = results["budget"]
     ax_curve.set_title(f"{budget['tokens']:,} tokens per run, {len(results['seeds'])} seeds", fontsize=9)
-    ax_curve.set_xlabel("step")
-    ax_curve.set_ylabel("held-out loss (nats / byte)")
-    ax_curve.legend(fontsize=7)
+    label_axes(ax_curve, "step", "held-out loss (nats / byte)", legend=7)
     ax_sweep.set_xscale("log")
-    ax_sweep.set_xlabel(f"learning rate (seed {results['seeds'][0]})")
-    ax_sweep.set_ylabel("held-out loss after")
-    ax_sweep.legend(fontsize=7)
-    ax_residual.set_xlabel("depth (0: embeddings)")
-    ax_residual.set_ylabel("relative residual ||X - 1x^T|| / ||X||")
-    ax_residual.legend(fontsize=7)
-    ax_rank.set_xlabel("depth (0: embeddings)")
-    ax_rank.set_ylabel("hidden states' numerical rank")
-    ax_rank.legend(fontsize=7)
+    label_axes(ax_sweep, f"learning rate (seed {results['seeds'][0]})", "held-out loss after", legend=7)
+    label_axes(ax_residual, "depth (0: embeddings)", "relative residual ||X - 1x^T|| / ||X||", legend=7)
+    label_axes(ax_rank, "depth (0: embeddings)", "hidden states' numerical rank", legend=7)
     reference = chosen.get("euclidean", {})
     for colour, arm in enumerate(summary):
         mine = chosen[arm]
@@ -216,9 +195,7 @@ def plot_scratch(results: dict, path: str | Path) -> Path:
     ax_paired.set_ylabel("held-out loss minus euclidean's (paired, 95 %)")
     if ax_paired.lines[:-1]:
         ax_paired.legend(fontsize=7)
-    ax_alpha.set_xlabel("layer")
-    ax_alpha.set_ylabel("learned alpha (mean over heads and seeds)")
-    ax_alpha.legend(fontsize=7)
+    label_axes(ax_alpha, "layer", "learned alpha (mean over heads and seeds)", legend=7)
     return save_figure(fig, path)
 
 
@@ -229,7 +206,7 @@ def plot_ide(results: dict, path: str | Path) -> Path:
     trajectories."""
     import torch
 
-    from .ide import _detrend, principal_plane
+    from .ide import detrend, principal_plane
 
     fig, (ax_torsion, ax_ablation, ax_rope, ax_current) = figure(ncols=2, nrows=2)
     for colour, (label, model) in enumerate(results["models"].items()):
@@ -254,20 +231,14 @@ def plot_ide(results: dict, path: str | Path) -> Path:
         if "current" in model:
             for style, name in (("-", "sgd"), ("--", "adamw")):
                 # as probability_current reads it: detrended, standardised (AdamW moves farther than SGD)
-                plane = principal_plane(_detrend(torch.tensor(model["current"][name]["trajectory"],
+                plane = principal_plane(detrend(torch.tensor(model["current"][name]["trajectory"],
                                                               dtype=torch.float64)))
                 ax_current.plot(plane[:, 0], plane[:, 1], style, color=c, lw=0.6, label=f"{label}, {name}")
-    ax_torsion.set_xlabel("step h")
-    ax_torsion.set_ylabel("||T(h)|| / ||X|| (dotted: h^2)")
-    ax_torsion.legend(fontsize=7)
+    label_axes(ax_torsion, "step h", "||T(h)|| / ||X|| (dotted: h^2)", legend=7)
     ax_ablation.axline((0, 0), slope=1, color="k", lw=0.8, ls=":")
-    ax_ablation.set_xlabel("adjoint prediction -<g, u> (nats)")
-    ax_ablation.set_ylabel("measured loss change, layer removed (nats)")
-    ax_ablation.legend(fontsize=7)
-    ax_rope.set_xlabel("relative offset m")
-    ax_rope.set_ylabel("recurrence |sum c_j e^{i m theta_j}| / sum |c_j|")
-    ax_rope.legend(fontsize=7)
-    ax_current.set_xlabel("principal coordinate 1 (detrended, standardised)")
-    ax_current.set_ylabel("principal coordinate 2 (standardised)")
-    ax_current.legend(fontsize=7)
+    label_axes(ax_ablation, "adjoint prediction -<g, u> (nats)", "measured loss change, layer removed (nats)",
+               legend=7)
+    label_axes(ax_rope, "relative offset m", "recurrence |sum c_j e^{i m theta_j}| / sum |c_j|", legend=7)
+    label_axes(ax_current, "principal coordinate 1 (detrended, standardised)", "principal coordinate 2 (standardised)",
+               legend=7)
     return save_figure(fig, path)

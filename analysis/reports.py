@@ -1,38 +1,24 @@
-"""The library functions behind ``fiber-bundle analyze collapse | intrinsic-rank | geometry``: load the models, run
-the measures of ``stacks`` and ``probes`` with progress bars, write ``<name>.json`` and ``<name>.png`` into a folder."""
+"""The library functions behind ``fiber-bundle analyze``: each runs its measurement or study and writes ``<name>.json``
+and ``<name>.png`` into a folder. ``collapse``, ``intrinsic-rank`` and ``geometry`` run the measures of ``stacks`` and
+``probes`` with progress bars here; ``scratch``, ``ide`` and ``compare`` are studies (``scratch``, ``ide_study``,
+``compare``: their JSON written after every run) whose figure is drawn here from their results."""
 
 import time
 from pathlib import Path
 
 import torch
 
-from .models import load_causal_lm, model_label, sample_ids
 from fiber_bundle.training.geometry_logging import gate_values
 
+from .compare import compare_study
+from .ide_study import ide_study
+from .models import held_out_ids, load_causal_lm, model_labels, sample_ids
 from .output import write_json
-from .plots import plot_collapse, plot_geometry, plot_intrinsic_rank
+from .plots import plot_collapse, plot_compare, plot_geometry, plot_ide, plot_intrinsic_rank, plot_scratch
 from .probes import decoder, gate_ablation, geometry_report, intrinsic_rank, model_collapse
+from .scratch import scratch_study
 from .stacks import StackSpec, collapse_experiment, default_variants
-
-
-def _labels(models, labels) -> list[str]:
-    if labels is None:
-        names = [Path(str(m)).stem if str(m).endswith(".gguf") else model_label(m) for m in models]
-    else:
-        names = list(labels)
-    if len(names) != len(models):
-        raise ValueError(f"{len(names)} labels for {len(models)} models: give one --labels entry per model.")
-    if len(set(names)) != len(names):
-        raise ValueError(f"labels must be distinct, got {names}: pass --labels.")
-    return names
-
-
-def _held_out_ids(tokenizer, blocks: int, block_size: int = 256) -> torch.Tensor:
-    """The first ``blocks`` blocks of the main job's held-out split (pydoc topics, split seed 0), as (blocks, 256) ids."""
-    from fiber_bundle.training.data import pack_blocks, pydoc_topics
-
-    packed = pack_blocks(pydoc_topics(seed=0)[1], tokenizer, block_size)
-    return torch.tensor(packed[: min(blocks, len(packed))]["input_ids"])
+from .study import progress_bar
 
 
 def _finish(results: dict, started: float, output_dir, name: str, plot) -> dict:
@@ -43,15 +29,9 @@ def _finish(results: dict, started: float, output_dir, name: str, plot) -> dict:
     return results
 
 
-def _bar(total, desc, progress):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, disable=not progress)
-
-
 def _each_model(models, labels, dtype, samples, length):
     """(label, model, tokenizer, ids) for every model, loading one at a time (ids from each model's own tokenizer)."""
-    for label, source in zip(_labels(models, labels), models):
+    for label, source in zip(model_labels(models, labels), models):
         model, tokenizer = load_causal_lm(source, dtype=dtype)
         yield label, model, tokenizer, sample_ids(tokenizer, samples, length)
         del model
@@ -69,7 +49,7 @@ def run_collapse(output_dir: str | Path, *, models=(), labels=None, samples: int
     if stacks:
         variants = default_variants(alphas)
         configs = [(False, False), (True, False), (False, True), (True, True)]  # (skip, causal)
-        bar = _bar(len(configs) * len(variants) * len(list(seeds)), "pure-attention stacks", progress)
+        bar = progress_bar(len(configs) * len(variants) * len(list(seeds)), "pure-attention stacks", progress)
         for skip, causal in configs:
             run = collapse_experiment(StackSpec(**{**vars(spec), "skip": skip, "causal": causal}), seeds, variants,
                                       threshold, bar)
@@ -78,7 +58,7 @@ def run_collapse(output_dir: str | Path, *, models=(), labels=None, samples: int
             results["stacks"].append(run)
         bar.close()
     if models:
-        bar = _bar(len(models), "models", progress)
+        bar = progress_bar(len(models), "models", progress)
         for label, model, _, ids in _each_model(models, labels, torch.float32, samples, length):
             results["models"][label] = {**model_collapse(model, ids), "samples": samples, "tokens": length}
             bar.update(1)
@@ -93,7 +73,7 @@ def run_intrinsic_rank(output_dir: str | Path, models, *, labels=None, samples: 
     started = time.perf_counter()
     results = {"models": {}}
     for label, model, _, ids in _each_model(models, labels, torch.float64, samples, length):
-        bar = _bar(len(decoder(model).layers), f"intrinsic rank: {label}", progress)
+        bar = progress_bar(len(decoder(model).layers), f"intrinsic rank: {label}", progress)
         results["models"][label] = intrinsic_rank(model, ids, threshold=threshold, rtol=rtol, progress=bar)
         bar.close()
     return _finish(results, started, output_dir, "intrinsic_rank", plot_intrinsic_rank)
@@ -106,12 +86,54 @@ def run_geometry(output_dir: str | Path, models, *, labels=None, samples: int = 
     the metric switched off, for each model: writes geometry.json and geometry.png into ``output_dir``."""
     started = time.perf_counter()
     results = {"models": {}}
-    bar = _bar(len(models), "geometry", progress)
+    bar = progress_bar(len(models), "geometry", progress)
     for label, model, tokenizer, ids in _each_model(models, labels, torch.float32, samples, length):
         results["models"][label] = geometry_report(model, ids, eps_values=eps_values, norm_layers=norm_layers)
         results["models"][label]["gates"] = gate_values(model)
         if ablation_blocks:
-            results["models"][label]["ablation"] = gate_ablation(model, _held_out_ids(tokenizer, ablation_blocks))
+            results["models"][label]["ablation"] = gate_ablation(model, held_out_ids(tokenizer, ablation_blocks))
         bar.update(1)
     bar.close()
     return _finish(results, started, output_dir, "geometry", plot_geometry)
+
+
+def read_study(path: str | Path) -> dict:
+    """A study's results file (scratch.json, optimizers.json, compare.json or ide.json) with its summary computed afresh
+    from its runs by the study's own summary function (ide.json holds measurements only: it comes back as it is)."""
+    import json
+
+    from .compare import summarise_runs
+    from .optimizers import summarise_optimizers
+    from .scratch import summarise_scratch
+
+    path = Path(path)
+    summaries = {"scratch.json": summarise_scratch, "optimizers.json": summarise_optimizers,
+                 "compare.json": lambda results: summarise_runs(results["runs"]), "ide.json": None}
+    if path.name not in summaries:
+        raise ValueError(f"{path} is not a study's results file: expected one of {', '.join(summaries)}.")
+    results = json.loads(path.read_text())
+    if summaries[path.name] is not None:
+        results["summary"] = summaries[path.name](results)
+    return results
+
+
+def run_scratch_comparison(output_dir: str | Path, **options) -> dict:
+    """The from-scratch study (``scratch.scratch_study``, whose ``options`` these are) and its figure, scratch.png."""
+    results = scratch_study(output_dir, **options)
+    plot_scratch(results, Path(output_dir) / "scratch.png")
+    return results
+
+
+def run_ide(output_dir: str | Path, models, **options) -> dict:
+    """The IDE picture's observables (``ide_study.ide_study``, whose ``options`` these are) and their figure, ide.png."""
+    results = ide_study(output_dir, models, **options)
+    plot_ide(results, Path(output_dir) / "ide.png")
+    return results
+
+
+def run_compare(converted: str | Path, source: str | Path, output_dir: str | Path, **options) -> dict:
+    """Metric-only training against equal-parameter LoRA (``compare.compare_study``, whose ``options`` these are) and
+    its figure, compare.png."""
+    results = compare_study(converted, source, output_dir, **options)
+    plot_compare(results, Path(output_dir) / "compare.png")
+    return results

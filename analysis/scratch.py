@@ -7,24 +7,23 @@ source (byte-level, split by module), three ways, at equal parameters and equal 
    gamma = 1: the exact squared geodesic distance; beta = 0 as in arm 2, so the attention metric's start is the only
    difference).
 
-Each arm's learning rate is swept on the first seed and its best rate re-run on every seed; every run of a seed sees the
-same blocks in the same order (the Trainer's sampler is seeded by the run's seed, the split is fixed). Each run records
-its held-out loss curve, time per step, and at the end, on held-out text: the rank-collapse residual per layer, the
-numerical rank of the attention score matrices (float64), the learned gates and the connection proxies. Results are
-written after every run; a rerun with the same settings continues where a stopped one ended.
+Each arm's learning rate is swept on the first seed and its best rate re-run on every seed (``study.run_study``, arms
+interleaved); every run of a seed sees the same blocks in the same order (the Trainer's sampler is seeded by the run's
+seed, the split is fixed). Each run (``train_arm``) records its held-out loss curve, time per step, and at the end, on
+held-out text: the rank-collapse residual per layer, the numerical rank of the attention score matrices (float64), the
+learned gates and the connection proxies. Results are written after every run; a rerun with the same settings
+continues where a stopped one ended.
 """
 
 import math
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from transformers import TrainerCallback
 
 from .measures import energy_effective_rank, numerical_rank, paired_interval, summarise
-from .output import write_json
+from .study import StepClock, StudyFile, run_study
 
 STRONG = (1.0, 10.0)  # alpha at the strong starts (gamma = 1)
 DEFAULT_MODEL = dict(num_hidden_layers=4, hidden_size=192, intermediate_size=512, num_attention_heads=6,
@@ -153,29 +152,7 @@ def measure_trained(model, eval_ids: torch.Tensor) -> dict:
     }
 
 
-class StepClock(TrainerCallback):
-    """A Trainer callback timing each optimiser step (forward, backward, optimiser), evaluations left out."""
-
-    def __init__(self):
-        self.seconds, self._start = [], None
-
-    def on_step_begin(self, *args, **kwargs):
-        self._start = time.perf_counter()
-
-    def on_step_end(self, *args, **kwargs):
-        self.seconds.append(time.perf_counter() - self._start)
-
-    def median(self) -> float | None:
-        """The median step after the first (which may compile), or the only one."""
-        steps = self.seconds[1:] or self.seconds
-        return statistics.median(steps) if steps else None
-
-    def first_step_excess(self) -> float:
-        """How much longer the first step took than the median one: the compilation, under torch.compile."""
-        return max(0.0, self.seconds[0] - self.median()) if len(self.seconds) > 1 else 0.0
-
-
-def run_scratch_comparison(
+def scratch_study(
     output_dir: str | Path,
     *,
     seeds=(0, 1, 2),
@@ -200,23 +177,18 @@ def run_scratch_comparison(
 ) -> dict:
     """Sweep each arm's learning rate on ``seeds[0]`` (``learning_rates``, extended by up to ``max_extensions`` grid
     steps while the best rate lies at an edge), re-run the best on every seed; write ``scratch.json`` after every
-    run and ``scratch.png`` at the end. ``compile`` trains through ``torch.compile`` (transformers' ``torch_compile``);
-    a run's time per step then leaves out the compilation (its first step's excess over the median step, recorded as
-    ``compile_seconds``). ``metric_rate_ratios``: after an arm's rate sweep, the metric's parameters get their own rate
-    (``metric_learning_rate`` = best rate x ratio, each ratio tried on ``seeds[0]``, the one-rate run counting as
-    ratio 1) and the best pair is re-run on every seed; the Euclidean arm has no metric and keeps one rate.
-    ``steps_by_arm``: each named arm's own number of steps (an equal-time comparison gives each arm the steps its
-    time per step allows in one budget), ``max_steps`` for the others. ``reuse_from``: other studies' folders (or
-    ``scratch.json`` files) whose finished runs this study would repeat exactly (``reusable_runs``) are taken over
-    instead of trained again, each marked ``reused_from``. Returns the results (``summary``: per arm, the best rate's
-    final held-out loss mean ± std, its difference to the Euclidean arm paired by seed, time per step, residual per
-    layer, ...)."""
-    from tqdm.auto import tqdm
-
-    from fiber_bundle.training.scratch import byte_tokenizer, fresh_model
-    from fiber_bundle.training.trainer import train_model
-
-    from .plots import plot_scratch
+    run (``study.run_study``; ``reports.run_scratch_comparison`` also draws ``scratch.png``). ``compile`` trains through
+    ``torch.compile`` (transformers' ``torch_compile``); a run's time per step then leaves out the compilation (its
+    first step's excess over the median step, recorded as ``compile_seconds``). ``metric_rate_ratios``: after an arm's
+    rate sweep, the metric's parameters get their own rate (``metric_learning_rate`` = best rate x ratio, each ratio
+    tried on ``seeds[0]``, the one-rate run counting as ratio 1) and the best pair is re-run on every seed; the
+    Euclidean arm has no metric and keeps one rate. ``steps_by_arm``: each named arm's own number of steps (an
+    equal-time comparison gives each arm the steps its time per step allows in one budget), ``max_steps`` for the
+    others. ``reuse_from``: other studies' folders (or ``scratch.json`` files) whose finished runs this study would
+    repeat exactly (``reusable_runs``) are taken over instead of trained again, each marked ``reused_from``. Returns
+    the results (``summary``: per arm, the best rate's final held-out loss mean ± std, its difference to the
+    Euclidean arm paired by seed, time per step, residual per layer, ...)."""
+    from fiber_bundle.training.scratch import byte_tokenizer
 
     model_fields = {**DEFAULT_MODEL, **(model_fields or {})}
     tokenizer = byte_tokenizer()
@@ -227,7 +199,6 @@ def run_scratch_comparison(
         raise ValueError(f"unknown arm(s) {unknown}; choose from {list(configs)}.")
     if not seeds or not learning_rates:
         raise ValueError("give at least one seed and one learning rate.")
-    output_dir = Path(output_dir)
     train_set, eval_set = scratch_corpus(tokenizer, block_size, eval_blocks, corpus_root)
     probe_ids = torch.tensor(eval_set[:probe_blocks]["input_ids"])
     settings = {
@@ -248,115 +219,74 @@ def run_scratch_comparison(
     }
     if steps_by_arm and (unknown := sorted(set(steps_by_arm) - set(arms))):
         raise ValueError(f"steps given for arm(s) {unknown} that are not compared; arms: {arms}.")
-    path = output_dir / "scratch.json"
-    results = {**settings, "runs": []}
-    if path.is_file():  # continue a stopped comparison with the same settings
-        import json
-
-        previous = json.loads(path.read_text())
-        if all(previous.get(key) == value for key, value in settings.items()):
-            results["runs"] = previous.get("runs", [])
-        else:
-            raise ValueError(f"{path} holds a comparison with other settings; pass another --out, or delete it to "
-                             "start again.")
-
-    reusable = reusable_runs(settings, reuse_from)
-
-    def run(arm: str, lr: float, seed: int, metric_lr: float | None = None) -> dict:
-        for done in results["runs"]:
-            if (done["arm"], done["learning_rate"], done["seed"], done.get("metric_learning_rate")) == (
-                    arm, lr, seed, metric_lr):
-                return done
-        for done in reusable:
-            if (done["arm"], done["learning_rate"], done["seed"], done.get("metric_learning_rate")) == (
-                    arm, lr, seed, metric_lr):
-                results["runs"].append(done)
-                write_json(path, results)
-                return done
-        steps = (steps_by_arm or {}).get(arm, max_steps)
-        if compile:  # each run compiles its own model afresh: a model of another shape after the first would be
-            # compiled with dynamic shapes (an inductor error in torch 2.13 on the CPU), and after 8 models torch's
-            # recompile limit would silently fall back to eager
-            torch.compiler.reset()
-        model = fresh_model(configs[arm], seed)
-        at_init = measure_trained(model, probe_ids)  # the same measures before the first step
-        clock = StepClock()
-        with tempfile.TemporaryDirectory() as scratch:
-            started = time.perf_counter()
-            trainer = train_model(model, train_set, scratch, mode="full", max_steps=steps, batch_size=batch_size,
-                                  learning_rate=lr, metric_learning_rate=metric_lr, warmup_steps=warmup_steps,
-                                  seed=seed, eval_dataset=eval_set,
-                                  eval_strategy="steps", eval_steps=eval_every, logging_steps=eval_every,
-                                  probe_ids=probe_ids, quiet=True, torch_compile=compile, callbacks=(clock,))
-            seconds = time.perf_counter() - started
-        history = trainer.state.log_history
-        evals = [(log["step"], log["eval_loss"]) for log in history if "eval_loss" in log]
-        eval_seconds = sum(log.get("eval_runtime", 0.0) for log in history if "eval_loss" in log)
-        if not evals or evals[-1][0] != trainer.state.global_step:  # max_steps not a multiple of eval_every
-            evals.append((trainer.state.global_step, trainer.evaluate()["eval_loss"]))
-        compile_seconds = clock.first_step_excess() if compile else 0.0
-        final = evals[-1][1]
-        finite = final is not None and math.isfinite(final)  # Trainer.evaluate gives nan for a diverged model
-        record = {"arm": arm, "learning_rate": lr, "seed": seed, **({"metric_learning_rate": metric_lr}
-                                                                   if metric_lr is not None else {}),
-                  "steps": trainer.state.global_step, "eval_loss_after": final if finite else None,
-                  "eval_curve": evals, "train_loss": [(log["step"], log["loss"]) for log in history if "loss" in log],
-                  "seconds_per_step": (seconds - eval_seconds - compile_seconds) / max(1, trainer.state.global_step),
-                  "step_seconds_median": clock.median(), "seconds": seconds,
-                  **({"compile_seconds": compile_seconds} if compile else {}),
-                  **(measure_trained(trainer.model, probe_ids) if finite else {}), "at_init": at_init}
-        results["runs"].append(record)
-        write_json(path, results)
-        return record
-
-    def score(record):  # a diverged run ranks last
-        return record["eval_loss_after"] if record["eval_loss_after"] is not None else math.inf
-
-    rates = settings["learning_rates"]
-    bar = tqdm(total=len(arms) * (len(rates) + len(seeds) - 1), desc="scratch runs", disable=not progress)
-    best = {}
-    for seed_index, seed in enumerate(seeds):  # arms interleaved: a drift of the machine's speed touches them alike
-        for arm in arms:
-            if seed_index == 0:
-                sweep = []
-                for lr in rates:
-                    bar.set_postfix_str(f"{arm} lr {lr:g} seed {seed}")
-                    sweep.append(run(arm, lr, seed))
-                    bar.update()
-                for _ in range(max_extensions if len(rates) > 1 else 0):  # best at an edge: one grid step further
-                    tried = sorted(r["learning_rate"] for r in sweep)
-                    lowest = min(sweep, key=score)["learning_rate"]
-                    if lowest not in (tried[0], tried[-1]):
-                        break
-                    step = rates[-1] / rates[-2]
-                    lr = float(f"{lowest * step if lowest == tried[-1] else lowest / step:.3g}")
-                    bar.total += 1
-                    bar.set_postfix_str(f"{arm} lr {lr:g} seed {seed} (sweep extended)")
-                    sweep.append(run(arm, lr, seed))
-                    bar.update()
-                lr = min(sweep, key=score)["learning_rate"]
-                choice = min((r for r in sweep if r["learning_rate"] == lr), key=score)
-                for ratio in (metric_rate_ratios or ()) if arm != "euclidean" else ():
-                    if ratio == 1:  # the one-rate run already is ratio 1
-                        continue
-                    bar.total += 1
-                    bar.set_postfix_str(f"{arm} lr {lr:g} metric lr x{ratio:g} seed {seed}")
-                    candidate = run(arm, lr, seed, float(f"{lr * ratio:.3g}"))
-                    choice = min((choice, candidate), key=score)
-                    bar.update()
-                best[arm] = (lr, choice.get("metric_learning_rate"))
-            else:
-                bar.set_postfix_str(f"{arm} lr {best[arm][0]:g} seed {seed}")
-                run(arm, best[arm][0], seed, best[arm][1])
-                bar.update()
-    bar.close()
-    results["best_learning_rate"] = {arm: lr for arm, (lr, _) in best.items()}
+    file = StudyFile(output_dir, "scratch", settings, setting_fields=("learning_rate", "metric_learning_rate"))
+    file.reusable = reusable_runs(settings, reuse_from)
+    results = file.results
+    results["best_learning_rate"] = {}  # this run's arms only, chosen afresh from the runs
     if metric_rate_ratios:
-        results["best_metric_learning_rate"] = {arm: metric_lr for arm, (_, metric_lr) in best.items()}
-    results["summary"] = summarise_scratch(results)
-    write_json(path, results)
-    plot_scratch(results, output_dir / "scratch.png")
+        results["best_metric_learning_rate"] = {}
+
+    def run(arm: str, seed: int, setting: dict) -> dict:
+        return train_arm(configs[arm], arm, seed, setting, train_set=train_set, eval_set=eval_set,
+                         probe_ids=probe_ids, steps=(steps_by_arm or {}).get(arm, max_steps), batch_size=batch_size,
+                         warmup_steps=warmup_steps, eval_every=eval_every, compile=compile)
+
+    def refine(arm: str, best: dict, records: list[dict]) -> list[dict]:  # the metric's own rate around the best rate
+        lr = best["learning_rate"]
+        return [{"learning_rate": lr, "metric_learning_rate": float(f"{lr * ratio:.3g}")}
+                for ratio in (metric_rate_ratios or ()) if ratio != 1 and arm != "euclidean"]  # ratio 1: the sweep's
+
+    def tuned(arm: str, best: dict, records: list[dict]) -> None:
+        results["best_learning_rate"][arm] = best["learning_rate"]
+        if metric_rate_ratios:
+            results["best_metric_learning_rate"][arm] = best.get("metric_learning_rate")
+
+    grid = settings["learning_rates"]
+    run_study(file, arms, list(seeds), run, grids={arm: grid for arm in arms}, max_extensions=max_extensions,
+              refine=refine, tuned=tuned, summarise=summarise_scratch, desc="scratch runs", progress=progress)
     return results
+
+
+def train_arm(config, arm: str, seed: int, setting: dict, *, train_set, eval_set, probe_ids: torch.Tensor, steps: int,
+              batch_size: int, warmup_steps: int, eval_every: int, compile: bool) -> dict:
+    """One run of the scratch study: a fresh model of ``config`` drawn by ``seed``, trained in full for ``steps`` at
+    ``setting``'s rates (``learning_rate``, ``metric_learning_rate``) with a held-out evaluation every ``eval_every``
+    steps; its record holds the loss curves, the time per step and ``measure_trained`` before and after."""
+    from fiber_bundle.training.scratch import fresh_model
+    from fiber_bundle.training.trainer import train_model
+
+    lr, metric_lr = setting["learning_rate"], setting.get("metric_learning_rate")
+    if compile:  # each run compiles its own model afresh: a model of another shape after the first would be
+        # compiled with dynamic shapes (an inductor error in torch 2.13 on the CPU), and after 8 models torch's
+        # recompile limit would silently fall back to eager
+        torch.compiler.reset()
+    model = fresh_model(config, seed)
+    at_init = measure_trained(model, probe_ids)  # the same measures before the first step
+    clock = StepClock()
+    with tempfile.TemporaryDirectory() as scratch:
+        started = time.perf_counter()
+        trainer = train_model(model, train_set, scratch, mode="full", max_steps=steps, batch_size=batch_size,
+                              learning_rate=lr, metric_learning_rate=metric_lr, warmup_steps=warmup_steps,
+                              seed=seed, eval_dataset=eval_set,
+                              eval_strategy="steps", eval_steps=eval_every, logging_steps=eval_every,
+                              probe_ids=probe_ids, quiet=True, torch_compile=compile, callbacks=(clock,))
+        seconds = time.perf_counter() - started
+    history = trainer.state.log_history
+    evals = [(log["step"], log["eval_loss"]) for log in history if "eval_loss" in log]
+    eval_seconds = sum(log.get("eval_runtime", 0.0) for log in history if "eval_loss" in log)
+    if not evals or evals[-1][0] != trainer.state.global_step:  # max_steps not a multiple of eval_every
+        evals.append((trainer.state.global_step, trainer.evaluate()["eval_loss"]))
+    compile_seconds = clock.first_step_excess() if compile else 0.0
+    final = evals[-1][1]
+    finite = final is not None and math.isfinite(final)  # Trainer.evaluate gives nan for a diverged model
+    return {"arm": arm, "learning_rate": lr, "seed": seed, **({"metric_learning_rate": metric_lr}
+                                                               if metric_lr is not None else {}),
+            "steps": trainer.state.global_step, "eval_loss_after": final if finite else None,
+            "eval_curve": evals, "train_loss": [(log["step"], log["loss"]) for log in history if "loss" in log],
+            "seconds_per_step": (seconds - eval_seconds - compile_seconds) / max(1, trainer.state.global_step),
+            "step_seconds_median": clock.median(), "seconds": seconds,
+            **({"compile_seconds": compile_seconds} if compile else {}),
+            **(measure_trained(trainer.model, probe_ids) if finite else {}), "at_init": at_init}
 
 
 # Settings that choose which runs a study makes, not what one run is: a run of another study that differs only in these

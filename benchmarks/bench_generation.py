@@ -65,13 +65,13 @@ from transformers import CompileConfig  # noqa: E402
 from common import (  # noqa: E402
     FULL_SHAPE,
     QUICK_SHAPE,
-    add_kernel_argument,
     build_backbone,
     build_fiber,
     environment,
     finish,
     interleaved_runs,
     logit_difference,
+    parse_arguments,
     print_targets,
     prompt,
 )
@@ -316,12 +316,7 @@ def parse_args(argv=None):
     parser.add_argument("--quick", action="store_true",
                         help="tiny 2-layer shape, short prompt, r = 0 and 2: a smoke run of 1-2 min, mostly four cold "
                              "compiles (numbers not meaningful)")
-    parser.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH")
-    add_kernel_argument(parser)
-    args = parser.parse_args(argv)
-    for key, value in (QUICK_DEFAULTS if args.quick else FULL_DEFAULTS).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    args = parse_arguments(parser, argv, QUICK_DEFAULTS, FULL_DEFAULTS)
     if min(args.ranks) < 0 or args.prompt_length < 1 or args.new_tokens < 2 or args.repeats < 1 or args.threads < 1:
         parser.error("ranks must be >= 0, --new-tokens >= 2 (decode-only needs a step after the prefill's token); "
                      "--prompt-length, --repeats and --threads >= 1")

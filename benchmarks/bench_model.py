@@ -48,11 +48,11 @@ from common import (
     FULL_SHAPE,
     QUICK_SHAPE,
     build_backbone,
-    add_kernel_argument,
     build_fiber,
     environment as common_environment,
     finish,
     interleaved,
+    parse_arguments,
     print_targets,
     prompt,
 )
@@ -337,12 +337,7 @@ def parse_args(argv=None):
                         help="K, the number of greedy tokens decoded per generation run (default 16, 4 with --quick)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny 2-layer shape and short lengths: a smoke run in seconds (numbers are not meaningful)")
-    parser.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH")
-    add_kernel_argument(parser)
-    args = parser.parse_args(argv)
-    for key, value in (QUICK_DEFAULTS if args.quick else FULL_DEFAULTS).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    args = parse_arguments(parser, argv, QUICK_DEFAULTS, FULL_DEFAULTS)
     if min(args.ranks) < 0 or min(args.lengths) < 1 or args.repeats < 1 or args.gen_tokens < 1:
         parser.error("ranks must be >= 0; lengths, repeats and gen-tokens >= 1")
     return args

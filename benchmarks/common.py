@@ -99,6 +99,18 @@ def add_kernel_argument(parser) -> None:
                              "on the CPU where it builds), pytorch (the blocked PyTorch path) or cpp")
 
 
+def parse_arguments(parser, argv, quick_defaults: dict, full_defaults: dict):
+    """Add --json and --kernel to a model benchmark's ``parser``, parse ``argv`` and fill every option left unset with
+    its --quick or full-size default (the two sizes' defaults differ, so argparse's own cannot hold them)."""
+    parser.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH")
+    add_kernel_argument(parser)
+    args = parser.parse_args(argv)
+    for key, value in (quick_defaults if args.quick else full_defaults).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
 def build_fiber(shape: dict, rank: int, backbone: LlamaForCausalLM | None = None,
                 kernel: str = "auto") -> FiberBundleForCausalLM:
     """A ``FiberBundleForCausalLM`` of ``shape`` with ``metric_rank = ffn_metric_rank = rank`` and

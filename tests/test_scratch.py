@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from helpers import fake_stdlib, run_without_project
+from fiber_bundle.analysis import reports
 from fiber_bundle.cli import main
 from fiber_bundle.training.data import is_named_corpus, named_corpus, stdlib_corpus, stdlib_modules
 from fiber_bundle.training.errors import TrainingError
@@ -222,7 +223,7 @@ def test_scratch_comparison_runs_resumes_and_refuses_other_settings(tmp_path, mo
     settings = dict(seeds=(0, 1), learning_rates=(1e-3, 1e-2), arms=("euclidean", "strong-10"), strong=(10.0,),
                     model_fields=dict(TINY_SCRATCH), max_steps=3, batch_size=2, block_size=32, eval_blocks=4,
                     eval_every=2, warmup_steps=0, probe_blocks=2, corpus_root=root, progress=False)
-    results = scratch.run_scratch_comparison(tmp_path / "out", **settings)
+    results = reports.run_scratch_comparison(tmp_path / "out", **settings)
     runs = results["runs"]
     assert {(r["arm"], r["seed"]) for r in runs} >= {("euclidean", 0), ("euclidean", 1), ("strong-10", 1)}
     assert sum(r["seed"] == 0 and r["arm"] == "euclidean" for r in runs) >= 2  # the sweep
@@ -250,7 +251,7 @@ def test_scratch_comparison_runs_resumes_and_refuses_other_settings(tmp_path, mo
         raise AssertionError("a finished run was trained again")
 
     monkeypatch.setattr("fiber_bundle.training.trainer.train_model", no_training)
-    again = scratch.run_scratch_comparison(tmp_path / "out", **settings)  # everything is on disk: nothing reruns
+    again = reports.run_scratch_comparison(tmp_path / "out", **settings)  # everything is on disk: nothing reruns
     assert json.loads(json.dumps(again["summary"])) == json.loads(json.dumps(summary))
     partial = json.loads((tmp_path / "out" / "scratch.json").read_text())
     partial["runs"] = partial["runs"][:-1]  # as if stopped before the last run: only that one runs
@@ -262,10 +263,10 @@ def test_scratch_comparison_runs_resumes_and_refuses_other_settings(tmp_path, mo
 
     original = trainer.train_model
     monkeypatch.setattr(trainer, "train_model", lambda *a, **k: calls.append(1) or original(*a, **k))
-    scratch.run_scratch_comparison(tmp_path / "out", **settings)
+    reports.run_scratch_comparison(tmp_path / "out", **settings)
     assert len(calls) == 1
     with pytest.raises(ValueError, match="holds a comparison with other settings"):
-        scratch.run_scratch_comparison(tmp_path / "out", **{**settings, "max_steps": 4})
+        reports.run_scratch_comparison(tmp_path / "out", **{**settings, "max_steps": 4})
 
 
 @pytest.mark.heavy
@@ -277,7 +278,7 @@ def test_scratch_comparison_compiled_leaves_the_compilation_out_of_the_time_per_
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # a cold compile, whatever ran before
 
     root = fake_stdlib(tmp_path / "lib", modules=30)
-    results = scratch.run_scratch_comparison(
+    results = reports.run_scratch_comparison(
         tmp_path / "out", seeds=(0,), learning_rates=(1e-2,), arms=("euclidean", "strong-1"), strong=(1.0,),
         model_fields=dict(TINY_SCRATCH), max_steps=4, batch_size=2, block_size=32, eval_blocks=4, eval_every=4,
         warmup_steps=0, probe_blocks=2, corpus_root=root, progress=False, max_extensions=0, compile=True)
@@ -317,7 +318,7 @@ def test_attention_only_study_measures_collapse_before_and_after(tmp_path, capsy
     assert twin.attention_only and twin.metric_rank == 0
     assert scratch.parameter_count(twin) < scratch.parameter_count(config)
     root = fake_stdlib(tmp_path / "lib", modules=30)
-    results = scratch.run_scratch_comparison(
+    results = reports.run_scratch_comparison(
         tmp_path / "out", seeds=(0, 1), learning_rates=(1e-2,), arms=("euclidean", "strong-10"), strong=(10.0,),
         model_fields={**TINY_SCRATCH, "num_hidden_layers": 3, "attention_only": True, "ffn_metric_rank": 0},
         max_steps=2, batch_size=2, block_size=32, eval_blocks=4, eval_every=2, warmup_steps=0, probe_blocks=2,
@@ -360,7 +361,7 @@ def test_scratch_study_sweeps_the_metric_rate_and_gives_arms_their_own_steps(tmp
                     model_fields=dict(TINY_SCRATCH), max_steps=3, batch_size=2, block_size=32, eval_blocks=4,
                     eval_every=2, warmup_steps=0, probe_blocks=2, corpus_root=root, progress=False,
                     metric_rate_ratios=(1.0, 3.0), steps_by_arm={"euclidean": 4})
-    results = scratch.run_scratch_comparison(tmp_path / "out", **settings)
+    results = reports.run_scratch_comparison(tmp_path / "out", **settings)
     strong = [r for r in results["runs"] if r["arm"] == "strong-10"]
     assert sorted((r["seed"], r.get("metric_learning_rate") or 0.0) for r in strong)[:2] == [(0, 0.0), (0, 0.03)]
     assert {k.get("metric_learning_rate") for k in calls} == {None, 0.03}
@@ -372,10 +373,10 @@ def test_scratch_study_sweeps_the_metric_rate_and_gives_arms_their_own_steps(tmp
     assert row["metric_learning_rate"] == best and set(row["metric_sweep"]) == {0.03}
     assert row["seeds"] == 2 and all(r.get("metric_learning_rate") == best for r in strong if r["seed"] == 1)
     assert results["summary"]["euclidean"]["steps"] == 4 and row["steps"] == 3
-    scratch.run_scratch_comparison(tmp_path / "out", **settings)
+    reports.run_scratch_comparison(tmp_path / "out", **settings)
     assert len(calls) == 5  # everything was on disk
     with pytest.raises(ValueError, match=r"steps given for arm\(s\) \['gates-0'\] that are not compared"):
-        scratch.run_scratch_comparison(tmp_path / "other", **{**settings, "steps_by_arm": {"gates-0": 2}})
+        reports.run_scratch_comparison(tmp_path / "other", **{**settings, "steps_by_arm": {"gates-0": 2}})
 
 
 def test_scratch_study_reuses_the_runs_another_study_already_made(tmp_path, monkeypatch):
@@ -392,9 +393,9 @@ def test_scratch_study_reuses_the_runs_another_study_already_made(tmp_path, monk
     settings = dict(seeds=(0, 1), learning_rates=(1e-2,), arms=("euclidean", "strong-10"), strong=(10.0,),
                     model_fields=dict(TINY_SCRATCH), max_steps=3, batch_size=2, block_size=32, eval_blocks=4,
                     eval_every=2, warmup_steps=0, probe_blocks=2, corpus_root=root, progress=False)
-    tokens = scratch.run_scratch_comparison(tmp_path / "tokens", **settings)
+    tokens = reports.run_scratch_comparison(tmp_path / "tokens", **settings)
     assert calls == [3, 3, 3, 3]
-    timed = scratch.run_scratch_comparison(tmp_path / "time", **settings, steps_by_arm={"euclidean": 5},
+    timed = reports.run_scratch_comparison(tmp_path / "time", **settings, steps_by_arm={"euclidean": 5},
                                            reuse_from=[tmp_path / "tokens"])
     assert calls[4:] == [5, 5]  # only the Euclidean arm, at its own steps, trained again
     strong = [r for r in timed["runs"] if r["arm"] == "strong-10"]
@@ -403,15 +404,15 @@ def test_scratch_study_reuses_the_runs_another_study_already_made(tmp_path, monk
                                                      if r["arm"] == "strong-10"]
     assert all("reused_from" not in r and r["steps"] == 5 for r in timed["runs"] if r["arm"] == "euclidean")
     assert timed["summary"]["strong-10"]["seeds"] == 2 and timed["summary"]["euclidean"]["steps"] == 5
-    again = scratch.run_scratch_comparison(tmp_path / "again", **settings,
+    again = reports.run_scratch_comparison(tmp_path / "again", **settings,
                                            reuse_from=[tmp_path / "time" / "scratch.json", tmp_path / "tokens"])
     assert len(calls) == 6  # every run of the equal-token design is in the first two studies
     assert {r["reused_from"] for r in again["runs"]} == {str(tmp_path / "tokens" / "scratch.json")}
     with pytest.raises(ValueError, match="cannot reuse the runs of .*: these settings differ from this study's: budget"):
-        scratch.run_scratch_comparison(tmp_path / "other", **{**settings, "batch_size": 4},
+        reports.run_scratch_comparison(tmp_path / "other", **{**settings, "batch_size": 4},
                                        reuse_from=[tmp_path / "tokens"])
     with pytest.raises(FileNotFoundError, match="no study to reuse at .*missing"):
-        scratch.run_scratch_comparison(tmp_path / "other", **settings, reuse_from=[tmp_path / "missing"])
+        reports.run_scratch_comparison(tmp_path / "other", **settings, reuse_from=[tmp_path / "missing"])
 
 
 def test_analyze_scratch_command_prints_the_paired_intervals_and_reuses_runs(tmp_path, monkeypatch, capsys):
