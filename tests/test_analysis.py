@@ -474,7 +474,7 @@ def test_analyze_ide_end_to_end_and_resumes(tiny_folders, tmp_path, capsys, monk
     ide.json and ide.png (torsion per layer with its exponent near the predicted 2, each layer's ablation beside the
     adjoint prediction, the rotary recurrence with its fits, SGD and AdamW currents at four lags); a rerun measures
     nothing again."""
-    from fiber_bundle.analysis import ide
+    from fiber_bundle.analysis import ide_study
     from fiber_bundle.cli import main
 
     models = [str(tiny_folders / name) for name in ("source", "trained")]
@@ -492,14 +492,15 @@ def test_analyze_ide_end_to_end_and_resumes(tiny_folders, tmp_path, capsys, monk
         assert len(model["ablation"]["measured"]) == 2 and model["ablation"]["loss"] > 0
         assert model["rope"]["offsets"][-1] == 256 and len(model["rope"]["mean"]) == len(model["rope"]["offsets"])
         assert model["rope"]["decay"]["mean_log_fit"]["r2"] is not None and "pair_fit" in model["ablation"]
-        assert [p["fraction"] for p in model["ablation"]["partial"]] == list(ide.ABLATION_FRACTIONS)
+        assert [p["fraction"] for p in model["ablation"]["partial"]] == list(ide_study.ABLATION_FRACTIONS)
         assert model["rope"]["kernel"][0] == pytest.approx(abs(sum(
             complex(math.cos(f), math.sin(f)) for f in model["rope"]["inv_freq"])) / len(model["rope"]["inv_freq"]))
         for name in ("sgd", "adamw"):
             run = model["current"][name]
             assert len(run["losses"]) == 180 and set(run["lags"]) == {"1", "2", "5", "10"}
             assert len(run["trajectory"]) == 180 and len(run["trajectory"][0]) == 8
-    monkeypatch.setattr(ide, "_measure", lambda *a, **k: pytest.fail("a finished measurement ran again"))
+    monkeypatch.setattr(ide_study, "measure_observable",
+                        lambda *a, **k: pytest.fail("a finished measurement ran again"))
     assert main(args) == 0
     assert main([*args[:-2], "--current-block-size", "32"]) == 1  # other settings in the same folder: refused
     assert "holds measurements with other settings" in capsys.readouterr().err
