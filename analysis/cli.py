@@ -90,7 +90,7 @@ def _scratch(args) -> int:
                                      warmup_steps=args.warmup_steps, max_extensions=args.max_extensions,
                                      compile=args.compile, metric_rate_ratios=args.metric_rate_ratios,
                                      steps_by_arm=dict(args.steps_by_arm) if args.steps_by_arm else None,
-                                     reuse_from=args.reuse_runs)
+                                     reuse_from=args.reuse_runs, tuning_seed=args.tuning_seed)
     return _print_table(scratch_table(results), args.out, "scratch.json", "scratch.png")
 
 
@@ -440,7 +440,11 @@ def _scratch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strong-alphas", type=float, nargs="+", default=[1.0, 10.0],
                         help="alpha of the strong-start arms (gamma starts at 1)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
-                        help="seeds; the first one is used for the learning-rate sweep")
+                        help="seeds; the first one is used for the learning-rate sweep (unless --tuning-seed)")
+    parser.add_argument("--tuning-seed", type=int, default=None,
+                        help="sweep the rates on this seed, not in --seeds, and leave it out of every mean and "
+                             "interval (default: the first of --seeds tunes and counts, its intervals also given "
+                             "without it)")
     parser.add_argument("--learning-rates", type=float, nargs="+", default=[1e-3, 3e-3, 1e-2],
                         help="the sweep grid of every arm")
     parser.add_argument("--max-extensions", type=int, default=1,

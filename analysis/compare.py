@@ -19,6 +19,7 @@ import torch
 from .models import load_causal_lm, pydoc_blocks
 from .measures import summarise
 from .output import write_json
+from .study import on_host
 
 ARMS = ("metric-only", "lora-source", "lora+metric")
 
@@ -114,8 +115,7 @@ def compare_study(
     plan = [(seed, arm) for seed in seeds for arm in arms]
     bar = tqdm(plan, desc="compare", disable=not progress)
     before_cache = {}
-    for seed, arm in bar:
-        bar.set_postfix_str(f"{arm} seed {seed}")
+    def train(seed: int, arm: str) -> dict:  # one run's record
         model_path = source if arm == "lora-source" else converted
         model, _ = load_causal_lm(model_path, gguf_file=gguf_file if arm == "lora-source" else None)
         if arm != "lora-source":  # the metric's random generators drawn with this run's seed (gates stay at 0)
@@ -135,17 +135,19 @@ def compare_study(
                                   probe_ids=probe_ids, quiet=True, **kwargs)
             seconds = time.perf_counter() - started
         trained = trainer.model
-        run = {
+        return {
             "arm": arm, "seed": seed, "trainable_parameters": _trainable(trained),
             "eval_loss_before": before_cache[arm], "eval_loss_after": evaluation_loss(trained, eval_set, batch_size),
             "train_seconds": seconds, "seconds_per_step": seconds / max(1, trainer.state.global_step),
             "train_loss": [log["loss"] for log in trainer.state.log_history if "loss" in log],
             "geometry": probe_geometry(trained, probe_ids),
         }
-        results["runs"].append(run)
+
+    for seed, arm in bar:
+        bar.set_postfix_str(f"{arm} seed {seed}")
+        results["runs"].append(on_host(lambda: train(seed, arm)))
         results["summary"] = summarise_runs(results["runs"])
         write_json(output_dir / "compare.json", results)
-        del trainer, trained, model
     return results
 
 

@@ -144,14 +144,16 @@ def plot_scratch(results: dict, path: str | Path) -> Path:
 
     fig, (ax_curve, ax_sweep, ax_residual, ax_rank, ax_alpha, ax_paired) = figure(ncols=2, nrows=3)
     summary = results["summary"]
-    chosen = {arm: {r["seed"]: r for r in results["runs"] if r["arm"] == arm
-                    and r["learning_rate"] == row["learning_rate"]
-                    and r.get("metric_learning_rate") == row.get("metric_learning_rate")
-                    and r["eval_loss_after"] is not None} for arm, row in summary.items()}
-    for colour, (arm, row) in enumerate(summary.items()):
-        runs = [r for r in results["runs"] if r["arm"] == arm and r["learning_rate"] == row["learning_rate"]
+    evaluation = set(results["seeds"])  # a separate tuning seed is drawn only in the sweep
+
+    def finished(arm, row):  # the arm's evaluation runs at its chosen rates
+        return [r for r in results["runs"] if r["arm"] == arm and r["learning_rate"] == row["learning_rate"]
                 and r.get("metric_learning_rate") == row.get("metric_learning_rate")
-                and r["eval_loss_after"] is not None]
+                and r["eval_loss_after"] is not None and r["seed"] in evaluation]
+
+    chosen = {arm: {r["seed"]: r for r in finished(arm, row)} for arm, row in summary.items()}
+    for colour, (arm, row) in enumerate(summary.items()):
+        runs = finished(arm, row)
         label = (f"{arm} (lr {row['learning_rate']:g}): {row['eval_loss_after_mean']:.4f} ± "
                  f"{row['eval_loss_after_std']:.4f}" if row["eval_loss_after_mean"] is not None else arm)
         if runs:
@@ -175,7 +177,8 @@ def plot_scratch(results: dict, path: str | Path) -> Path:
     ax_curve.set_title(f"{budget['tokens']:,} tokens per run, {len(results['seeds'])} seeds", fontsize=9)
     label_axes(ax_curve, "step", "held-out loss (nats / byte)", legend=7)
     ax_sweep.set_xscale("log")
-    label_axes(ax_sweep, f"learning rate (seed {results['seeds'][0]})", "held-out loss after", legend=7)
+    label_axes(ax_sweep, f"learning rate (seed {results.get('tuning_seed', results['seeds'][0])})",
+               "held-out loss after", legend=7)
     label_axes(ax_residual, "depth (0: embeddings)", "relative residual ||X - 1x^T|| / ||X||", legend=7)
     label_axes(ax_rank, "depth (0: embeddings)", "hidden states' numerical rank", legend=7)
     reference = chosen.get("euclidean", {})

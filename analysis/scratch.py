@@ -174,9 +174,12 @@ def scratch_study(
     metric_rate_ratios=None,
     steps_by_arm: dict | None = None,
     reuse_from=(),
+    tuning_seed: int | None = None,
 ) -> dict:
     """Sweep each arm's learning rate on ``seeds[0]`` (``learning_rates``, extended by up to ``max_extensions`` grid
-    steps while the best rate lies at an edge), re-run the best on every seed; write ``scratch.json`` after every
+    steps while the best rate lies at an edge), re-run the best on every seed; with ``tuning_seed`` the sweep runs on
+    that seed instead, and the best on every seed of ``seeds``, so that no mean or interval holds the seed that chose
+    the rates; write ``scratch.json`` after every
     run (``study.run_study``; ``reports.run_scratch_comparison`` also draws ``scratch.png``). ``compile`` trains through
     ``torch.compile`` (transformers' ``torch_compile``); a run's time per step then leaves out the compilation (its
     first step's excess over the median step, recorded as ``compile_seconds``). ``metric_rate_ratios``: after an arm's
@@ -216,6 +219,7 @@ def scratch_study(
         **({"compile": True} if compile else {}),  # absent when off: earlier comparisons continue unchanged
         **({"metric_rate_ratios": sorted(float(r) for r in metric_rate_ratios)} if metric_rate_ratios else {}),
         **({"steps_by_arm": {arm: int(steps_by_arm[arm]) for arm in sorted(steps_by_arm)}} if steps_by_arm else {}),
+        **({"tuning_seed": int(tuning_seed)} if tuning_seed is not None else {}),
     }
     if steps_by_arm and (unknown := sorted(set(steps_by_arm) - set(arms))):
         raise ValueError(f"steps given for arm(s) {unknown} that are not compared; arms: {arms}.")
@@ -243,7 +247,8 @@ def scratch_study(
 
     grid = settings["learning_rates"]
     run_study(file, arms, list(seeds), run, grids={arm: grid for arm in arms}, max_extensions=max_extensions,
-              refine=refine, tuned=tuned, summarise=summarise_scratch, desc="scratch runs", progress=progress)
+              refine=refine, tuned=tuned, summarise=summarise_scratch, tuning_seed=tuning_seed, desc="scratch runs",
+              progress=progress)
     return results
 
 
@@ -291,7 +296,8 @@ def train_arm(config, arm: str, seed: int, setting: dict, *, train_set, eval_set
 
 # Settings that choose which runs a study makes, not what one run is: a run of another study that differs only in these
 # is the same run (the thread count changes only the order of floating-point sums).
-_STUDY_ONLY = ("arms", "seeds", "learning_rates", "max_extensions", "metric_rate_ratios", "steps_by_arm", "threads")
+_STUDY_ONLY = ("arms", "seeds", "learning_rates", "max_extensions", "metric_rate_ratios", "steps_by_arm", "threads",
+               "tuning_seed")
 
 
 def _steps_of(settings: dict, arm: str) -> int:
@@ -334,14 +340,19 @@ def reusable_runs(settings: dict, sources) -> list[dict]:
 def summarise_scratch(results: dict) -> dict:
     """Per arm at its best rate: final held-out loss (mean, std over seeds), its difference to the Euclidean arm's
     (paired by seed), time per step (and relative to Euclidean), the per-layer residual, score rank and gates (means over
-    seeds), and whether the best rate lies at the sweep's edge."""
+    seeds), and whether the best rate lies at the sweep's edge. The seeds are the evaluation seeds (``seeds``): a
+    separate ``tuning_seed`` chose the rates and enters no mean or interval; without one, ``seeds[0]`` tuned and counts
+    too, and each interval is also given without it."""
+    tuning = results.get("tuning_seed", results["seeds"][0])
     tried = {arm: sorted({r["learning_rate"] for r in results["runs"] if r["arm"] == arm
-                          and r["seed"] == results["seeds"][0]}) for arm in results["best_learning_rate"]}
+                          and r["seed"] == tuning}) for arm in results["best_learning_rate"]}
     metric_rates = results.get("best_metric_learning_rate", {})
+    evaluation = set(results["seeds"])
 
-    def chosen(arm):  # the runs at the arm's best rate (and best metric rate, when those were swept)
+    def chosen(arm):  # the evaluation runs at the arm's best rate (and best metric rate, when those were swept)
         return [r for r in results["runs"] if r["arm"] == arm and r["learning_rate"] == results[
-            "best_learning_rate"][arm] and r.get("metric_learning_rate") == metric_rates.get(arm)]
+            "best_learning_rate"][arm] and r.get("metric_learning_rate") == metric_rates.get(arm)
+                and r["seed"] in evaluation]
 
     summary = {}
     for arm, lr in results["best_learning_rate"].items():
@@ -356,10 +367,10 @@ def summarise_scratch(results: dict) -> dict:
             "eval_loss_after_mean": loss["mean"], "eval_loss_after_std": loss["std"],
             "seconds_per_step_mean": summarise([r["seconds_per_step"] for r in mine])["mean"],
             "sweep": {r["learning_rate"]: r["eval_loss_after"] for r in results["runs"]
-                      if r["arm"] == arm and r["seed"] == results["seeds"][0] and "metric_learning_rate" not in r},
+                      if r["arm"] == arm and r["seed"] == tuning and "metric_learning_rate" not in r},
             **({"metric_learning_rate": metric_rates.get(arm),
                 "metric_sweep": {r["metric_learning_rate"]: r["eval_loss_after"] for r in results["runs"]
-                                 if r["arm"] == arm and r["seed"] == results["seeds"][0]
+                                 if r["arm"] == arm and r["seed"] == tuning
                                  and r["learning_rate"] == lr and "metric_learning_rate" in r}}
                if "best_metric_learning_rate" in results else {}),
             "steps": summarise([r.get("steps") for r in mine])["mean"],
@@ -390,8 +401,8 @@ def summarise_scratch(results: dict) -> dict:
             row["loss_vs_euclidean"], row["loss_vs_euclidean_std"] = paired["mean"], paired["std"]
             if arm != "euclidean":  # t-interval, bootstrap and the smallest detectable difference, paired by seed
                 row["loss_vs_euclidean_interval"] = paired_interval(differences)
-                # the rates were chosen on the first seed, which favours the arms on it: the seeds that chose nothing
-                row["loss_vs_euclidean_interval_without_sweep_seed"] = paired_interval(
-                    [difference for seed, difference in pairs if seed != results["seeds"][0]])
+                if "tuning_seed" not in results:  # seeds[0] chose the rates, which favours the arms on it
+                    row["loss_vs_euclidean_interval_without_sweep_seed"] = paired_interval(
+                        [difference for seed, difference in pairs if seed != tuning])
             row["time_vs_euclidean"] = row["seconds_per_step_mean"] / summary["euclidean"]["seconds_per_step_mean"]
     return summary

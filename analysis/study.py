@@ -23,6 +23,8 @@ from typing import Callable
 
 from transformers import TrainerCallback
 
+from fiber_bundle.model_cards.facts import cpu_model, load_average
+
 from .output import jsonable, write_json
 
 
@@ -30,6 +32,15 @@ def score(record: dict) -> float:
     """A run's rank in a sweep: its final held-out loss, a diverged run (no loss) last."""
     loss = record.get("eval_loss_after")
     return loss if loss is not None else math.inf
+
+
+def on_host(make: Callable[[], dict]) -> dict:
+    """``make()``'s record with where it was made: ``host`` holds the CPU's model name and the load averages before and
+    after, so that "same host" and "quiet" can be checked from a study's file."""
+    before = load_average()
+    record = make()
+    record["host"] = {"cpu": cpu_model(), "load_average_before": before, "load_average_after": load_average()}
+    return record
 
 
 def progress_bar(total: int, desc: str, progress: bool = True):
@@ -84,7 +95,7 @@ class StudyFile:
 
     def run(self, key: dict, make: Callable[[], dict]) -> dict:
         """The run of ``key`` (arm, seed and setting values): the finished one in this file or in ``reusable``, else
-        ``make()``'s record, appended and written at once."""
+        ``make()``'s record (``on_host``), appended and written at once."""
 
         def same(record):
             return all(record.get(field) == key.get(field) for field in self.key_fields)
@@ -92,17 +103,17 @@ class StudyFile:
         for done in self.results["runs"]:
             if same(done):
                 return done
-        record = next((done for done in self.reusable if same(done)), None) or make()
+        record = next((done for done in self.reusable if same(done)), None) or on_host(make)
         self.results["runs"].append(record)
         self.save()
         return record
 
     def once(self, place: dict, name: str, make: Callable[[], dict]) -> dict:
         """``place[name]`` (``place``: a dict inside the results) if it is there, else ``make()``'s result with the
-        seconds it took, stored there and written at once."""
+        seconds it took (and ``on_host``), stored there and written at once."""
         if name not in place:
             started = time.perf_counter()
-            place[name] = make()
+            place[name] = on_host(make)
             place[name]["seconds"] = time.perf_counter() - started
             self.save()
         return place[name]
@@ -130,14 +141,19 @@ def tune(run_at: Callable[[dict], dict], grid, *, max_extensions: int = 0,
 def run_study(file: StudyFile, arms, seeds, run: Callable[[str, int, dict], dict], *, grids: dict,
               max_extensions: int = 0, refine: Callable[[str, dict, list[dict]], list[dict]] | None = None,
               tuned: Callable[[str, dict, list[dict]], None] | None = None,
-              summarise: Callable[[dict], dict] | None = None, arm_by_arm: bool = False, desc: str = "runs",
-              progress: bool = True) -> dict[str, dict]:
-    """Tune every arm on ``seeds[0]`` (``tune`` over ``grids[arm]``; ``refine(arm, best, records)``: the settings to
-    try after the rate sweep), then re-run its best setting on every other seed. ``run(arm, seed, setting)`` makes one
-    run's record; a finished run is never made again. ``tuned(arm, best, records)`` hears each arm's choice before its
-    other seeds run. ``summarise(results)`` becomes ``results["summary"]``: after each arm (``arm_by_arm``) or at the
-    end. Returns arm -> its best setting."""
-    bar = progress_bar(sum(len(grids[arm]) + len(seeds) - 1 for arm in arms), desc, progress)
+              summarise: Callable[[dict], dict] | None = None, arm_by_arm: bool = False,
+              tuning_seed: int | None = None, desc: str = "runs", progress: bool = True) -> dict[str, dict]:
+    """Tune every arm on ``tuning_seed`` (default ``seeds[0]``; ``tune`` over ``grids[arm]``; ``refine(arm, best,
+    records)``: the settings to try after the rate sweep), then re-run its best setting on every seed of ``seeds``.
+    ``run(arm, seed, setting)`` makes one run's record; a finished run is never made again. ``tuned(arm, best,
+    records)`` hears each arm's choice before its other seeds run. ``summarise(results)`` becomes
+    ``results["summary"]``: after each arm (``arm_by_arm``) or at the end. Returns arm -> its best setting."""
+    if tuning_seed is not None and tuning_seed in seeds:
+        raise ValueError(f"the tuning seed {tuning_seed} is also an evaluation seed: it chose the rates, so it would "
+                         "favour the arms in every interval; give a seed that is not in --seeds.")
+    tuning = seeds[0] if tuning_seed is None else tuning_seed
+    others = seeds[1:] if tuning_seed is None else seeds  # the tuning seed's best run counts only when it is seeds[0]
+    bar = progress_bar(sum(len(grids[arm]) + len(others) for arm in arms), desc, progress)
 
     def attempt(arm: str, seed: int, setting: dict) -> dict:
         bar.set_postfix_str(f"{arm} seed {seed} " + ", ".join(f"{key} {value:g}" for key, value in setting.items()))
@@ -147,7 +163,7 @@ def run_study(file: StudyFile, arms, seeds, run: Callable[[str, int, dict], dict
         return record
 
     def choose(arm: str) -> dict:
-        best, records = tune(lambda setting: attempt(arm, seeds[0], setting), grids[arm],
+        best, records = tune(lambda setting: attempt(arm, tuning, setting), grids[arm],
                              max_extensions=max_extensions,
                              refine=(lambda best, records: refine(arm, best, records)) if refine else None)
         if tuned:
@@ -163,13 +179,13 @@ def run_study(file: StudyFile, arms, seeds, run: Callable[[str, int, dict], dict
     if arm_by_arm:
         for arm in arms:
             chosen[arm] = choose(arm)
-            for seed in seeds[1:]:
+            for seed in others:
                 attempt(arm, seed, chosen[arm])
             summary()
     else:
         for arm in arms:
             chosen[arm] = choose(arm)
-        for seed in seeds[1:]:
+        for seed in others:
             for arm in arms:
                 attempt(arm, seed, chosen[arm])
         summary()

@@ -9,7 +9,6 @@ import datetime
 import json
 import os
 import platform
-import re
 import statistics
 import time
 
@@ -18,6 +17,7 @@ import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import modeling_fiber_bundle
+from fiber_bundle.model_cards.facts import cpu_model, load_average
 from modeling_fiber_bundle import FiberBundleConfig, FiberBundleForCausalLM
 
 SEED = 0
@@ -211,25 +211,6 @@ def attention_flops(kind: str, mode: str, b: int, h: int, n: int, d: int, r: int
 # ----------------------------------------------------------------------------------------------------------------------
 # The machine
 # ----------------------------------------------------------------------------------------------------------------------
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            match = re.search(r"^model name\s*:\s*(.+)$", f.read(), re.M)
-        return match.group(1).strip() if match else platform.processor() or "unknown"
-    except OSError:
-        return platform.processor() or "unknown"
-
-
-def load_average() -> list[float] | None:
-    """The machine's 1, 5 and 15 min load averages (None where unknown): a run is only meaningful when it stays well
-    under the number of threads the benchmark uses plus what else must run; other processes on the same cores distort
-    many-small-op timings most (spinning thread pools)."""
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except (OSError, AttributeError):
-        return None
-
-
 def print_targets(targets: list[dict]) -> None:
     """Each target of a run with its measured values and whether it is met (reported, never asserted)."""
     print("\nTargets (reported, not asserted):\n")

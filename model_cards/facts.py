@@ -48,21 +48,33 @@ def framework_versions() -> dict[str, str]:
     return found
 
 
+def cpu_model() -> str:
+    """The CPU's model name as ``lscpu`` shows it (read from /proc/cpuinfo on Linux; elsewhere what ``platform``
+    knows): which host a timing or a run came from."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "CPU"
+
+
+def load_average() -> list[float] | None:
+    """The machine's 1, 5 and 15 min load averages (None where unknown): whether anything else ran on the cores while
+    a run was timed."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (OSError, AttributeError):
+        return None
+
+
 def hardware() -> str:
-    """The device a run used, as a card may show it: the GPU's name and count, else the CPU's model name (from
-    /proc/cpuinfo on Linux) and the threads torch used."""
+    """The device a run used, as a card may show it: the GPU's name and count, else the CPU's model name
+    (``cpu_model``) and the threads torch used."""
     import torch
 
     if torch.cuda.is_available():
         count = torch.cuda.device_count()
         return f"{count} x {torch.cuda.get_device_name(0)}"
-    model = None
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    model = model or platform.processor() or platform.machine() or "CPU"
-    return f"{model} (CPU, {torch.get_num_threads()} threads)"
+    return f"{cpu_model()} (CPU, {torch.get_num_threads()} threads)"

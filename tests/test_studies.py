@@ -104,3 +104,41 @@ def test_a_study_file_of_other_settings_is_refused_naming_what_differs(tmp_path)
     assert json.loads((tmp_path / "nested.json").read_text())["models"]["m"]["rope"]["value"] == 1
     with pytest.raises(ValueError, match=r"holds measurements with other settings \(length differ\)"):
         study.StudyFile(tmp_path, "nested", {"length": 9}, nested=True, empty={"models": {}}, holds="measurements")
+
+
+def test_a_tuning_seed_chooses_the_rates_and_enters_no_interval(tmp_path):
+    """``tuning_seed``: the sweep runs on it, the best setting on every evaluation seed, and a tuning seed among the
+    evaluation seeds is refused. Re-summarising the published 10-seed study with seed 0 (which chose its rates) as the
+    tuning seed gives as its interval the one it published without that seed."""
+    calls = []
+    losses = lambda arm, seed, lr: abs(math.log10(lr) + 2) + seed  # noqa: E731
+    file = study.StudyFile(tmp_path, "demo", {})
+    chosen = study.run_study(file, ["a"], [0, 1], fake_run(calls, losses), grids={"a": [1e-3, 1e-2]}, tuning_seed=7,
+                             progress=False)
+    assert calls == [("a", 7, 1e-3), ("a", 7, 1e-2), ("a", 0, 1e-2), ("a", 1, 1e-2)] and chosen == {
+        "a": {"learning_rate": 1e-2}}
+    with pytest.raises(ValueError, match="the tuning seed 1 is also an evaluation seed"):
+        study.run_study(file, ["a"], [0, 1], fake_run(calls, losses), grids={"a": [1e-2]}, tuning_seed=1,
+                        progress=False)
+    from fiber_bundle.analysis.scratch import summarise_scratch
+
+    published = json.loads((ROOT / "docs" / "results" / "scratch_power" / "scratch.json").read_text())
+    strong = summarise_scratch({**published, "seeds": published["seeds"][1:], "tuning_seed": 0})["strong-1"]
+    assert strong["seeds"] == 9 and "loss_vs_euclidean_interval_without_sweep_seed" not in strong
+    assert numbers_close(strong["loss_vs_euclidean_interval"],
+                         published["summary"]["strong-1"]["loss_vs_euclidean_interval_without_sweep_seed"])
+
+
+def test_every_run_made_records_its_host_and_the_load_around_it(tmp_path):
+    """``host``: the CPU's model name (lscpu's) and the 1, 5 and 15 min load averages before and after the run, on each
+    run a study makes (a run found on disk keeps the record it was made with)."""
+    from fiber_bundle.model_cards.facts import cpu_model
+
+    file = study.StudyFile(tmp_path, "demo", {})
+    record = file.run({"arm": "a", "seed": 0, "learning_rate": 1e-3}, lambda: {"arm": "a", "seed": 0,
+                                                                            "learning_rate": 1e-3})
+    host = json.loads((tmp_path / "demo.json").read_text())["runs"][0]["host"]
+    assert host == record["host"] and host["cpu"] == cpu_model() and host["cpu"]
+    assert len(host["load_average_before"]) == len(host["load_average_after"]) == 3
+    placed = file.once(file.results.setdefault("models", {}), "m", lambda: {"value": 1})
+    assert placed["host"]["cpu"] == cpu_model()
