@@ -114,6 +114,49 @@ def scratch_table(results: dict) -> list[str]:
     return lines
 
 
+def _scaling(args) -> int:
+    from .reports import run_scaling
+
+    results = run_scaling(args.studies, args.out, equal_time=args.equal_time or (), arm=args.arm,
+                          reference=args.reference)
+    return _print_table(scaling_table(results), args.out, "scaling.json", "scaling.png")
+
+
+def scaling_table(results: dict) -> list[str]:
+    """The lines ``analyze scaling`` prints of its results."""
+    arm, reference = results["arm"], results["reference"]
+    lines = [f"{arm} minus {reference}, final held-out loss paired by seed (rates chosen on a tuning seed in no "
+             "interval):"]
+    for row in results["sizes"]:
+        rates = ", ".join(f"{a} lr {r['learning_rate']:g}" + (f" (metric {r['metric_learning_rate']:g})"
+                                                            if "metric_learning_rate" in r else "")
+                          + (" at the sweep's edge" if r["at_sweep_edge"] else "") for a, r in row["rates"].items())
+        settled = ", ".join(f"{a} {s['ratio']:.3f}" if s["ratio"] is not None else f"{a} -"
+                            for a, s in row["settling"].items())
+        lines.append(f"  {row['parameters']:,} parameters, {row['steps']} steps ({row['tokens']:,} tokens), "
+                     f"{len(row['seeds'])} seeds: {_difference(row['paired'])}; last-third / first-third drop "
+                     f"{settled}; {rates}")
+        if "equal_time" in row:
+            timed = row["equal_time"]
+            steps = ", ".join(f"{a} {n}" for a, n in timed["steps"].items())
+            lines.append(f"    equal time ({steps} steps), {len(timed['seeds'])} seeds: {_difference(timed['paired'])}")
+    trend = results["trend"]
+    if trend is None:
+        lines.append("  trend: needs three or more sizes")
+    else:
+        low, high = trend["bootstrap_interval"]
+        lines.append(f"  trend: {trend['slope_per_tenfold_parameters']:+.4f} per tenfold parameters, bootstrap 95 % "
+                     f"[{low:+.4f}, {high:+.4f}] ({trend['below_zero']:.0%} of draws below zero): the edge "
+                     f"{trend['reading']}")
+    return lines
+
+
+def _difference(paired: dict) -> str:
+    """A paired difference as the tables print it: mean, and its t-interval where there is one."""
+    interval = paired["t_interval"]
+    return f"{paired['mean']:+.4f}" + (f", 95 % [{interval[0]:+.4f}, {interval[1]:+.4f}]" if interval else "")
+
+
 def _collapse(args) -> int:
     from .reports import run_collapse
     from .stacks import StackSpec
@@ -308,6 +351,13 @@ SUBCOMMANDS = {
         "(alpha in --strong-alphas, gamma 1). Each arm's learning rate is swept on the first seed, the best re-run on "
         "every seed; held-out loss curves, time per step, residual per layer, score rank, gates and proxies. A rerun "
         "continues a stopped comparison."),
+    "scaling": (
+        "the from-scratch comparison across model sizes: the paired difference per size and its trend",
+        "Read one analyze scratch study per model size (each tuned on its --tuning-seed) and optionally equal-time "
+        "studies of some sizes: per size the paired difference of ARM minus REFERENCE with its intervals and whether "
+        "the loss curves flattened (last third's drop under a tenth of the first third's); across sizes the slope of "
+        "the difference in log10(parameters) with a bootstrap over seeds within size. Writes scaling.json and "
+        "scaling.png; trains nothing."),
 }
 
 
@@ -482,6 +532,17 @@ def _scratch_arguments(parser: argparse.ArgumentParser) -> None:
                              "the Euclidean twin then has fewer parameters (no MLP to widen)")
 
 
+def _scaling_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``analyze scaling``."""
+    parser.add_argument("--studies", nargs="+", required=True, metavar="FOLDER",
+                        help="the --out folders of analyze scratch studies, one per model size")
+    parser.add_argument("--equal-time", nargs="+", default=None, metavar="FOLDER",
+                        help="equal-time studies (--steps-by-arm), each matched to the size of the same model")
+    parser.add_argument("--arm", default="strong-1", help="the arm compared (default strong-1)")
+    parser.add_argument("--reference", default="euclidean", help="the arm it is compared with (default euclidean)")
+    parser.add_argument("--out", required=True, help="folder for scaling.json and scaling.png")
+
+
 # subcommand -> (its handler, the function adding its options, MODELS: required (True), optional (False) or none)
 COMMANDS = {
     "collapse": (_collapse, _collapse_arguments, False),
@@ -491,6 +552,7 @@ COMMANDS = {
     "compare": (_compare, _compare_arguments, None),
     "optimizers": (_optimizers, _optimizers_arguments, None),
     "scratch": (_scratch, _scratch_arguments, None),
+    "scaling": (_scaling, _scaling_arguments, None),
 }
 
 

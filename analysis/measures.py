@@ -8,6 +8,10 @@
 - ``numerical_rank``: singular values above a relative tolerance (the non-Gram check of docs/design.md 1.2).
 - ``linear_fit``: the least-squares line with its R^2 and the slope's interval; ``fit_power_law``: the same line in
   log-log space, y = c x^p (the RMSNorm Lipschitz exponent, the IDE picture's decay exponents).
+- ``curve_settling``: how far a loss curve has flattened: its drop over the last third of its steps over its drop over
+  the first third (the scaling study's "enough tokens" criterion: under a tenth).
+- ``size_trend``: the slope of a paired difference against log10(parameters) across model sizes, with a bootstrap
+  interval that resamples the seeds within each size.
 - ``rmsnorm_lipschitz``: the largest spectral norm of RMSNorm's Jacobian over a set of inputs, by autograd.
 - ``attention_entropy``: entropy of each row of attention probabilities.
 """
@@ -143,3 +147,62 @@ def paired_interval(differences, *, confidence: float = 0.95, power: float = 0.8
     return {"mean": mean, "std": std, "count": n, "t_interval": [mean - half, mean + half],
             "bootstrap_interval": [low, high], "detectable_difference": detectable,
             "spans_zero": mean - half <= 0.0 <= mean + half}
+
+
+def curve_settling(curve, threshold: float = 0.1) -> dict:
+    """How far the loss curve ``curve`` ((step, loss) pairs, steps increasing) has flattened: with the steps from its first
+    point to its last cut in thirds (losses between points linearly interpolated), the drop over the last third divided
+    by the drop over the first third. ``settled`` says whether that ratio is under ``threshold`` (a tenth: the scaling
+    study's criterion for enough tokens); a curve that does not fall over its first third gives no ratio."""
+    steps = torch.tensor([float(step) for step, _ in curve], dtype=torch.float64)
+    losses = torch.tensor([float(loss) for _, loss in curve], dtype=torch.float64)
+    if steps.numel() < 2 or not bool((steps[1:] > steps[:-1]).all()):
+        raise ValueError("a loss curve needs two or more points at increasing steps.")
+
+    def at(step: float) -> float:  # the loss at ``step``, linear between the recorded points
+        right = int(torch.searchsorted(steps, torch.tensor([step], dtype=torch.float64)).clamp(1, steps.numel() - 1))
+        x0, x1, y0, y1 = steps[right - 1], steps[right], losses[right - 1], losses[right]
+        return (y0 + (y1 - y0) * (step - x0) / (x1 - x0)).item()
+
+    first, last = steps[0].item(), steps[-1].item()
+    third = (last - first) / 3
+    first_drop, last_drop = at(first) - at(first + third), at(last - third) - at(last)
+    ratio = last_drop / first_drop if first_drop > 0 else None
+    return {"from_step": first, "to_step": last, "first_third_drop": first_drop, "last_third_drop": last_drop,
+            "ratio": ratio, "settled": ratio is not None and ratio < threshold}
+
+
+def size_trend(sizes, *, confidence: float = 0.95, resamples: int = 10_000, seed: int = 0) -> dict:
+    """The trend of a paired difference (arm minus reference, one per seed) with model size.
+
+    ``sizes``: (parameters, differences) per model size, three or more sizes of two or more differences each. The slope
+    is the least-squares line through each size's mean difference against log10(parameters) (each size weighs the
+    same): the change of the mean difference per tenfold parameters. Its interval is a percentile bootstrap that
+    resamples the seeds within each size (``resamples`` seeded draws); ``below_zero`` is the fraction of draws whose
+    slope is negative. ``reading``: for a difference where negative favours the arm, "grows" when the whole interval
+    is below zero (the arm's edge grows with size), "shrinks" when it is above, else "cannot be told apart from zero".
+    """
+    points = [(float(parameters), torch.tensor([float(d) for d in differences], dtype=torch.float64))
+              for parameters, differences in sizes]
+    if len(points) < 3 or any(data.numel() < 2 for _, data in points):
+        raise ValueError("a trend across sizes needs three or more sizes, each with two or more paired differences.")
+    if len({parameters for parameters, _ in points}) < len(points):
+        raise ValueError("two sizes have the same parameter count: give each size once.")
+    x = torch.log10(torch.tensor([parameters for parameters, _ in points], dtype=torch.float64))  # (k,)
+    centred = x - x.mean()
+
+    def slopes(means: torch.Tensor) -> torch.Tensor:  # (..., k) size means -> (...) least-squares slopes in x
+        return ((means - means.mean(-1, keepdim=True)) * centred).sum(-1) / centred.pow(2).sum()
+
+    means = torch.stack([data.mean() for _, data in points])  # (k,)
+    generator = torch.Generator().manual_seed(seed)
+    drawn = torch.stack([data[torch.randint(0, data.numel(), (resamples, data.numel()), generator=generator)].mean(1)
+                         for _, data in points], dim=-1)  # (resamples, k): each size's seeds resampled on their own
+    draws = slopes(drawn)
+    alpha = 1 - confidence
+    low, high = torch.quantile(draws, torch.tensor([alpha / 2, 1 - alpha / 2], dtype=torch.float64)).tolist()
+    slope = slopes(means).item()
+    reading = "grows" if high < 0 else "shrinks" if low > 0 else "cannot be told apart from zero"
+    return {"slope_per_tenfold_parameters": slope, "intercept": (means.mean() - slope * x.mean()).item(),
+            "bootstrap_interval": [low, high], "below_zero": (draws < 0).double().mean().item(), "reading": reading,
+            "log10_parameters": x.tolist(), "mean_differences": means.tolist(), "resamples": resamples}

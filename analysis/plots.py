@@ -141,15 +141,13 @@ def plot_scratch(results: dict, path: str | Path) -> Path:
     held-out loss minus the Euclidean arm's along the run, paired by seed with its 95 % t-interval (arms of equal
     steps)."""
     from .measures import paired_interval
+    from .scratch import chosen_runs
 
     fig, (ax_curve, ax_sweep, ax_residual, ax_rank, ax_alpha, ax_paired) = figure(ncols=2, nrows=3)
     summary = results["summary"]
-    evaluation = set(results["seeds"])  # a separate tuning seed is drawn only in the sweep
 
-    def finished(arm, row):  # the arm's evaluation runs at its chosen rates
-        return [r for r in results["runs"] if r["arm"] == arm and r["learning_rate"] == row["learning_rate"]
-                and r.get("metric_learning_rate") == row.get("metric_learning_rate")
-                and r["eval_loss_after"] is not None and r["seed"] in evaluation]
+    def finished(arm, row):  # the arm's evaluation runs at its chosen rates (a separate tuning seed is not drawn)
+        return [r for r in chosen_runs(results, arm) if r["eval_loss_after"] is not None]
 
     chosen = {arm: {r["seed"]: r for r in finished(arm, row)} for arm, row in summary.items()}
     for colour, (arm, row) in enumerate(summary.items()):
@@ -199,6 +197,44 @@ def plot_scratch(results: dict, path: str | Path) -> Path:
     if ax_paired.lines[:-1]:
         ax_paired.legend(fontsize=7)
     label_axes(ax_alpha, "layer", "learned alpha (mean over heads and seeds)", legend=7)
+    return save_figure(fig, path)
+
+
+def plot_scaling(results: dict, path: str | Path) -> Path:
+    """The scaling study from its JSON: the arm minus its Euclidean twin per seed against parameters (log scale), each
+    size's mean with its 95 % t-interval, at equal tokens and (where run) at equal time, with the trend line; and each
+    size's mean held-out curves against tokens."""
+    fig, (ax_difference, ax_curves) = figure(ncols=2)
+    arm, reference, rows = results["arm"], results["reference"], results["sizes"]
+    for offset, (key, marker, label) in enumerate(((None, "o", "equal tokens"), ("equal_time", "s", "equal time"))):
+        points = [(row["parameters"], row[key] if key else row) for row in rows if not key or key in row]
+        for parameters, part in points:  # equal-time points a little to the right, so both stay readable
+            x = parameters * (1.03 if offset else 1.0)
+            ax_difference.scatter([x] * len(part["differences"]), list(part["differences"].values()), s=10,
+                                  color=f"C{offset}", alpha=0.5, marker=marker)
+            interval = part["paired"]["t_interval"]
+            if interval:
+                ax_difference.errorbar([x], [part["paired"]["mean"]], color=f"C{offset}", fmt=marker, capsize=3,
+                                       yerr=[[part["paired"]["mean"] - interval[0]], [interval[1] - part["paired"]["mean"]]])
+        if points:
+            ax_difference.plot([], [], marker, color=f"C{offset}", label=label)
+    trend = results.get("trend")
+    if trend:
+        xs = [rows[0]["parameters"], rows[-1]["parameters"]]
+        slope, low, high = trend["slope_per_tenfold_parameters"], *trend["bootstrap_interval"]
+        ax_difference.plot(xs, [trend["intercept"] + slope * math.log10(x) for x in xs], "k--", lw=0.8,
+                           label=f"trend {slope:+.4f} per 10x [{low:+.4f}, {high:+.4f}]")
+    ax_difference.axhline(0.0, color="k", lw=0.8)
+    ax_difference.set_xscale("log")
+    label_axes(ax_difference, "parameters", f"{arm} minus {reference}, held-out loss (paired)", legend=7)
+    for colour, row in enumerate(rows):
+        per_step = row["tokens"] / row["steps"]
+        for style, name in (("--", reference), ("-", arm)):
+            curve = row["curves"][name]
+            ax_curves.plot([step * per_step for step, _ in curve], [loss for _, loss in curve], style,
+                           color=f"C{colour}", label=f"{row['parameters'] / 1e6:.1f} M, {name}")
+    ax_curves.set_xscale("log")
+    label_axes(ax_curves, "tokens", "held-out loss (mean over seeds)", legend=7)
     return save_figure(fig, path)
 
 

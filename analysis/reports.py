@@ -14,8 +14,10 @@ from .compare import compare_study
 from .ide_study import ide_study
 from .models import held_out_ids, load_causal_lm, model_labels, sample_ids
 from .output import write_json
-from .plots import plot_collapse, plot_compare, plot_geometry, plot_ide, plot_intrinsic_rank, plot_scratch
+from .plots import (plot_collapse, plot_compare, plot_geometry, plot_ide, plot_intrinsic_rank, plot_scaling,
+                    plot_scratch)
 from .probes import decoder, gate_ablation, geometry_report, intrinsic_rank, model_collapse
+from .scaling import scaling_summary
 from .scratch import scratch_study
 from .stacks import StackSpec, collapse_experiment, default_variants
 from .study import progress_bar
@@ -136,4 +138,22 @@ def run_compare(converted: str | Path, source: str | Path, output_dir: str | Pat
     its figure, compare.png."""
     results = compare_study(converted, source, output_dir, **options)
     plot_compare(results, Path(output_dir) / "compare.png")
+    return results
+
+
+def run_scaling(studies, output_dir: str | Path, *, equal_time=(), arm: str = "strong-1",
+                reference: str = "euclidean") -> dict:
+    """The scaling study (``scaling.scaling_summary``) over scratch study folders, one per size (``studies``), and
+    equal-time folders of some sizes (``equal_time``); writes ``scaling.json`` and its figure, ``scaling.png``."""
+    def read(folder) -> tuple[str, dict]:
+        path = Path(folder)
+        path = path / "scratch.json" if path.is_dir() else path
+        if not path.is_file():
+            raise FileNotFoundError(f"{folder} holds no scratch.json: give the --out folder of an analyze scratch run.")
+        return str(folder), read_study(path)
+
+    results = scaling_summary([read(folder) for folder in studies], equal_time=[read(f) for f in equal_time],
+                              arm=arm, reference=reference)
+    write_json(Path(output_dir) / "scaling.json", results)
+    plot_scaling(results, Path(output_dir) / "scaling.png")
     return results

@@ -337,6 +337,14 @@ def reusable_runs(settings: dict, sources) -> list[dict]:
     return found
 
 
+def chosen_runs(results: dict, arm: str) -> list[dict]:
+    """A scratch study's evaluation runs of ``arm``: its seeds (``seeds``, not a separate tuning seed) at the arm's best
+    rate and, where the metric's own rate was swept, its best metric rate; diverged runs included."""
+    metric_rate = results.get("best_metric_learning_rate", {}).get(arm)
+    return [r for r in results["runs"] if r["arm"] == arm and r["learning_rate"] == results["best_learning_rate"][arm]
+            and r.get("metric_learning_rate") == metric_rate and r["seed"] in set(results["seeds"])]
+
+
 def summarise_scratch(results: dict) -> dict:
     """Per arm at its best rate: final held-out loss (mean, std over seeds), its difference to the Euclidean arm's
     (paired by seed), time per step (and relative to Euclidean), the per-layer residual, score rank and gates (means over
@@ -347,13 +355,7 @@ def summarise_scratch(results: dict) -> dict:
     tried = {arm: sorted({r["learning_rate"] for r in results["runs"] if r["arm"] == arm
                           and r["seed"] == tuning}) for arm in results["best_learning_rate"]}
     metric_rates = results.get("best_metric_learning_rate", {})
-    evaluation = set(results["seeds"])
-
-    def chosen(arm):  # the evaluation runs at the arm's best rate (and best metric rate, when those were swept)
-        return [r for r in results["runs"] if r["arm"] == arm and r["learning_rate"] == results[
-            "best_learning_rate"][arm] and r.get("metric_learning_rate") == metric_rates.get(arm)
-                and r["seed"] in evaluation]
-
+    chosen = lambda arm: chosen_runs(results, arm)  # noqa: E731
     summary = {}
     for arm, lr in results["best_learning_rate"].items():
         mine = chosen(arm)

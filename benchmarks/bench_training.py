@@ -13,7 +13,9 @@ the CPU with ``--threads`` threads. Cases:
 - ``medium``: the ``small`` preset widened and deepened to 6 x 256 (8 heads, MLP 768), the larger size of docs/results.md
   section 7's study (``analyze scratch --layers 6 --width 256 --heads 8 --intermediate-size 768``), the same way and
   batch;
-- ``base-512``: the ``base`` preset (8 x 384, m = 64) the same way, batch 2 x 512;
+- ``base``: the ``base`` preset (8 x 384, m = 64) the same way and batch, the largest size of docs/results.md section 10's
+  study (``analyze scratch --layers 8 --width 384 --heads 6 --intermediate-size 1024 --metric-hidden 64``);
+- ``base-512``: the ``base`` preset the same way, batch 2 x 512;
 - ``smollm2-512`` / ``smollm2-2048``: SmolLM2-135M's shape, the fibre model loaded with the LLaMA backbone's weights
   and its geometry woken (``common.build_fiber``), batch 1, against that ``LlamaForCausalLM`` (sdpa); the fibre model
   trained in full and metric-only (only the ``fiber`` parameters train; the backbone's full step is the reference).
@@ -88,8 +90,9 @@ def build_case(name: str, quick: bool, kernel: str = "auto"):
     from fiber_bundle.training.scratch import PRESETS
 
     gen = torch.Generator().manual_seed(0)
-    if name in ("small", "medium", "base-512"):
-        preset = {"small": PRESETS["small"], "medium": {**PRESETS["small"], **MEDIUM}, "base-512": PRESETS["base"]}[name]
+    if name in ("small", "medium", "base", "base-512"):
+        preset = {"small": PRESETS["small"], "medium": {**PRESETS["small"], **MEDIUM}, "base": PRESETS["base"],
+                  "base-512": PRESETS["base"]}[name]
         batch, length = ((2, 512) if name == "base-512" else (16, 128)) if not quick else (2, 32)
         models = scratch_pair(preset, quick, kernel)
         ids = torch.randint(0, 256, (batch, length), generator=gen)
@@ -102,7 +105,7 @@ def build_case(name: str, quick: bool, kernel: str = "auto"):
         models = {"backbone": backbone, "fibre": fibre, "fibre metric-only": copy.deepcopy(fibre)}
         ids = torch.randint(3, shape["vocab_size"], (1, length), generator=gen)
         return models, ids, {"backbone": "full", "fibre": "full", "fibre metric-only": "metric-only"}
-    raise SystemExit(f"unknown case {name!r}: choose from small, medium, base-512, smollm2-512, smollm2-2048")
+    raise SystemExit(f"unknown case {name!r}: choose from small, medium, base, base-512, smollm2-512, smollm2-2048")
 
 
 def stepper(model, ids, mode: str):
@@ -212,7 +215,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", nargs="+", default=["small"],
-                        help="small, medium, base-512, smollm2-512, smollm2-2048 (default: small)")
+                        help="small, medium, base, base-512, smollm2-512, smollm2-2048 (default: small)")
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds per mode (default 6, 2 with --quick)")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="time the eager steps only")

@@ -56,6 +56,7 @@ def test_a_model_at_its_graft_is_refused_and_rank_0_equals_the_backbone():
 @pytest.mark.parametrize("case, fields", [
     ("small", {}),
     ("medium", dict(num_hidden_layers=6, hidden_size=256, num_attention_heads=8, intermediate_size=768)),
+    ("base", dict(num_hidden_layers=8, hidden_size=384, num_attention_heads=6, intermediate_size=1024, metric_hidden=64)),
 ])
 def test_training_benchmark_times_the_models_the_from_scratch_study_trains(case, fields, monkeypatch):
     """The equal-time study gives the Euclidean arm the steps that bench_training.py's compiled step ratio allows: the

@@ -166,7 +166,7 @@ def test_conversion_imports_neither_training_nor_analysis():
 # analysis/ in layers, each importing only from its own layer or the ones below: estimators and loading, then the probes
 # that read models, then the studies, then their reports and figures, then the command line
 ANALYSIS_LAYERS = [{"measures", "output", "models", "evaluation"}, {"probes", "stacks", "ide"},
-                   {"study", "scratch", "optimizers", "compare", "ide_study"}, {"reports", "plots"},
+                   {"study", "scratch", "optimizers", "compare", "ide_study", "scaling"}, {"reports", "plots"},
                    {"cli", "__init__"}]
 
 
