@@ -65,7 +65,8 @@ def optimizers_table(results: dict) -> list[str]:
         edge = " (best rate at the grid's edge)" if row["at_grid_edge"] else ""
         if row.get("loss_vs_adamw") is not None:
             loss += f", minus AdamW {row['loss_vs_adamw']:+.4f} ± {row['loss_vs_adamw_std']:.4f} (paired by seed)"
-        for key, which in (("loss_vs_adamw_interval", "95 %"), ("loss_vs_plain_interval", "minus its plain geometry")):
+        for key, which in (("loss_vs_adamw_interval", "95 %"), ("loss_vs_plain_interval", "minus its plain geometry"),
+                           ("loss_vs_scaled_interval", "minus the scale control")):
             interval = (row.get(key) or {}).get("t_interval")
             loss += f", {which} [{interval[0]:+.4f}, {interval[1]:+.4f}]" if interval else ""
         lines.append(f"  {name:20s} lr {row['learning_rate']:.3g}{edge}: eval loss {loss} ({row['seeds']} seeds), "
@@ -449,8 +450,10 @@ def _optimizers_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=list(design_points()),
                         metavar="NAME", help="which optimisers to compare (AdamW runs first): adamw, "
                                              "riemannian-quotient, riemannian-embedded, stiefel-euclidean, "
-                                             "stiefel-canonical, grassmann, or a geometry's block variant "
-                                             "(NAME+block)")
+                                             "stiefel-canonical, grassmann, a geometry's block variant "
+                                             "(NAME+block), or a partial-isometry geometry's scale control "
+                                             "(NAME+scaled: heads stacked, each head's query slice as large as "
+                                             "NAME+block's)")
     parser.add_argument("--learning-rates", type=float, nargs="+", default=None,
                         help="one sweep grid for every optimiser (default: each optimiser's own grid)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],

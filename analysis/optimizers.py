@@ -14,7 +14,9 @@ settings continues where it stopped; a folder of other settings is refused.
 metric off, or a Riemannian start) trained from random initialisation in full on the standard library's source, the
 geometry on the per-head W_Q / W_K pairs only (``riemannian_pairs="attention"``; a partial isometry starts them
 orthonormal), everything else with AdamW at AdamW's best rate. The design points are the five geometries and their block
-variants (``stiefel-canonical+block``: each query head its own factor, sharing its KV group's key factor).
+variants (``stiefel-canonical+block``: each query head its own factor, sharing its KV group's key factor), and for the
+three partial-isometry geometries the scale control (``grassmann+scaled``: heads stacked as in the plain variant, the
+stack stored at sqrt(query heads per KV head) so each head's query slice starts as large as the block variant's).
 """
 
 import math
@@ -40,18 +42,20 @@ DEFAULT_GRIDS = {  # AdamW around its known range; the Riemannian steps are plai
 
 
 def design_points() -> tuple[str, ...]:
-    """The optimiser names a comparison takes: AdamW, the five geometries and their block variants (``NAME+block``)."""
-    from fiber_bundle.training.riemannian import GEOMETRIES, OPTIMIZERS
+    """The optimiser names a comparison takes: AdamW, the five geometries, their block variants (``NAME+block``) and
+    the partial-isometry geometries' scale control (``NAME+scaled``)."""
+    from fiber_bundle.training.riemannian import FIXED_RANK, GEOMETRIES, OPTIMIZERS
 
-    return OPTIMIZERS + tuple(f"{geometry}+block" for geometry in GEOMETRIES)
+    return (OPTIMIZERS + tuple(f"{geometry}+block" for geometry in GEOMETRIES)
+            + tuple(f"{geometry}+scaled" for geometry in GEOMETRIES if geometry not in FIXED_RANK))
 
 
-def design_point(name: str) -> tuple[str, bool]:
-    """(geometry or "adamw", block variant) of an optimiser name of ``design_points``."""
+def design_point(name: str) -> tuple[str, str | None]:
+    """(geometry or "adamw", variant: None, "block" or "scaled") of an optimiser name of ``design_points``."""
     if name not in design_points():
         raise ValueError(f"unknown optimizer {name!r}; choose from {', '.join(design_points())}.")
     geometry, _, variant = name.partition("+")
-    return geometry, variant == "block"
+    return geometry, variant or None
 
 
 def _midpoints(grid, best) -> list[float]:
@@ -122,7 +126,8 @@ def run_optimizer_comparison(
     if mode not in (("full",) if from_scratch else ("metric-only", "lora")):
         raise ValueError(f"mode {mode!r}: the comparison trains " + ("'full' from scratch." if from_scratch else
                                                                     "'metric-only' or 'lora'."))
-    grids = {**DEFAULT_GRIDS, **{f"{g}+block": grid for g, grid in DEFAULT_GRIDS.items()}, **(grids or {})}
+    grids = {**DEFAULT_GRIDS, **{f"{g}+{variant}": grid for g, grid in DEFAULT_GRIDS.items()
+                                 for variant in ("block", "scaled")}, **(grids or {})}
     optimizers = sorted(optimizers, key=lambda name: name != "adamw")  # AdamW first
     if from_scratch:
         from .scratch import DEFAULT_MODEL, arm_config, scratch_corpus
@@ -166,9 +171,10 @@ def run_optimizer_comparison(
         if compile:  # a fresh compilation per run (see analyze scratch)
             torch.compiler.reset()
         model = new_model(seed)
-        geometry, blocks = design_point(name)
+        geometry, variant = design_point(name)
         kwargs = dict(learning_rate=lr) if name == "adamw" else dict(
-            learning_rate=adamw_lr, optimizer=geometry, riemannian_learning_rate=lr, block=block or blocks,
+            learning_rate=adamw_lr, optimizer=geometry, riemannian_learning_rate=lr, block=block or variant == "block",
+            **({"equal_scale": True} if variant == "scaled" else {}),
             **({"riemannian_gauge": gauge} if geometry == "riemannian-embedded" else {}))
         if from_scratch:
             kwargs.update(warmup_steps=warmup_steps, torch_compile=compile)
@@ -242,9 +248,13 @@ def summarise_optimizers(results: dict) -> dict:
             if name != "adamw":
                 row["loss_vs_adamw_interval"] = paired_interval(differences)
             row["time_vs_adamw"] = row["seconds_per_step_mean"] / reference["seconds_per_step_mean"]
-    for name, row in summary.items():
-        plain = name.removesuffix("+block")
-        if plain != name and plain in summary:
-            row["loss_vs_plain_interval"] = paired_interval(paired(chosen(name, row["learning_rate"]),
-                                                                   chosen(plain, summary[plain]["learning_rate"])))
+    for name, row in summary.items():  # a variant against its plain geometry; a block variant against the scale control
+        plain, _, variant = name.partition("+")
+        others = {"loss_vs_plain_interval": plain} if variant else {}
+        if variant == "block":
+            others["loss_vs_scaled_interval"] = f"{plain}+scaled"
+        for key, other in others.items():
+            if other in summary:
+                row[key] = paired_interval(paired(chosen(name, row["learning_rate"]),
+                                                  chosen(other, summary[other]["learning_rate"])))
     return summary

@@ -538,6 +538,85 @@ def test_attention_design_points_from_scratch_keep_shared_keys_and_stay_on_their
                 assert all(mf.orthonormality_error(f) < 1e-10 for f in factors)
 
 
+@pytest.mark.parametrize("geometry", GEOMETRIES[2:])
+def test_the_scale_control_stacks_heads_at_the_block_variants_query_scale(geometry):
+    """``equal_scale``: each KV group's stacked query factor S is stored at sqrt(k) times a point of the manifold (k
+    query heads per KV head), so its head slices carry together k times the plain stack's squared norm, as the block
+    variant's k orthonormal slices do; the step is the plain geometry's step on S / sqrt(k) with the chain rule's
+    gradient sqrt(k) dL/dS, and S stays at that scale through training."""
+    from helpers import TINY, random_ids, tiny_model
+    from fiber_bundle.training import prepare_for_training
+    from fiber_bundle.training.riemannian import _read, attention_groups, build_optimizer
+
+    k = TINY["num_attention_heads"] // TINY["num_key_value_heads"]
+    norms = {}
+    for variant in ("plain", "block", "scaled"):
+        model = prepare_for_training(tiny_model(), "full")
+        optimizer = build_optimizer(model, geometry, lr=1e-3, riemannian_lr=5e-2, block=variant == "block",
+                                    pairs="attention", fresh=True, momentum=0.5, equal_scale=variant == "scaled")
+        group = attention_groups(model)[0]  # read as stacked heads whatever the variant
+        norms[variant] = sum(_read(group["params"], lefts[0]).pow(2).sum().item() for lefts, _ in group["pairs"])
+        if variant == "scaled":
+            assert optimizer.param_groups[0]["left_scale"] == pytest.approx(k ** 0.5)
+            ids = random_ids(2, 12)
+            for _ in range(3):
+                model(input_ids=ids, labels=ids).loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            for lefts, rights in group["pairs"]:
+                stack = _read(group["params"], lefts[0])
+                assert mf.orthonormality_error(stack / k ** 0.5) < 1e-10
+                assert mf.orthonormality_error(_read(group["params"], rights[0])) < 1e-10
+    assert norms["block"] == pytest.approx(k * norms["plain"]) and norms["scaled"] == pytest.approx(norms["block"])
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES[2:])
+def test_a_scaled_factor_steps_as_the_unscaled_factor_of_the_scaled_loss(geometry):
+    """The chain rule of ``left_scale``: a factor stored as c F under loss f(stored) follows, exactly, the trajectory
+    of an unscaled factor F under loss f(c F)."""
+    from fiber_bundle.training.riemannian import whole_pair
+
+    gen = torch.Generator().manual_seed(0)
+    target = torch.randn(12, 10, generator=gen, dtype=torch.float64)
+    left0 = mf.qr_retract(torch.randn(12, 3, generator=gen, dtype=torch.float64))
+    right0 = mf.qr_retract(torch.randn(10, 3, generator=gen, dtype=torch.float64))
+    c = 3.0 ** 0.5
+    scaled = [torch.nn.Parameter(left0 * c), torch.nn.Parameter(right0.clone())]
+    plain = [torch.nn.Parameter(left0.clone()), torch.nn.Parameter(right0.clone())]
+    options = dict(geometry=geometry, lr=0.05, momentum=0.5)
+    steppers = [FactoredRiemannianOptimizer([{"params": scaled, "pairs": [whole_pair(*scaled)], "left_scale": c}],
+                                            **options),
+                FactoredRiemannianOptimizer([{"params": plain, "pairs": [whole_pair(*plain)]}], **options)]
+    for _ in range(5):
+        for (left, right), scale, stepper in ((scaled, 1.0, steppers[0]), (plain, c, steppers[1])):
+            ((scale * left) @ right.T - target).pow(2).sum().backward()
+            stepper.step()
+            stepper.zero_grad(set_to_none=True)
+    assert not torch.allclose(plain[0], left0)  # it moved
+    torch.testing.assert_close(scaled[0].detach(), c * plain[0].detach(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(scaled[1].detach(), plain[1].detach(), rtol=0, atol=1e-12)
+
+
+def test_the_scale_control_is_refused_where_it_means_nothing():
+    from helpers import tiny_model
+    from fiber_bundle.training import prepare_for_training
+    from fiber_bundle.training.arguments import FiberBundleTrainingArguments
+    from fiber_bundle.training.errors import TrainingError
+    from fiber_bundle.training.riemannian import build_optimizer, whole_pair
+
+    model = prepare_for_training(tiny_model(), "full")
+    with pytest.raises(ValueError, match="applies without block"):
+        build_optimizer(model, "grassmann", lr=1e-2, pairs="attention", fresh=True, block=True, equal_scale=True)
+    with pytest.raises(ValueError, match="riemannian-quotient learns every scale itself"):
+        build_optimizer(model, "riemannian-quotient", lr=1e-2, pairs="attention", equal_scale=True)
+    pair = [torch.nn.Parameter(torch.randn(6, 2)), torch.nn.Parameter(torch.randn(5, 2))]
+    with pytest.raises(ValueError, match="left_scale.*fixed-rank one learns every scale"):
+        FactoredRiemannianOptimizer([{"params": pair, "pairs": [whole_pair(*pair)], "left_scale": 2.0}])
+    for options in (dict(optimizer="grassmann", block=True), dict(optimizer="riemannian-embedded"), {}):
+        with pytest.raises(TrainingError, match="equal_scale gives the stacked query factor"):
+            FiberBundleTrainingArguments(output_dir="unused", equal_scale=True, **options)
+
+
 def test_attention_pairs_of_a_trained_model_are_refused_and_bad_options_named():
     """Without ``fresh`` (a model that was not trained from scratch) a partial isometry on W_Q / W_K is refused before
     any write, naming the from-scratch route; the pair choice and the Riemannian-only options are checked."""

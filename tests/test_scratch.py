@@ -447,7 +447,9 @@ def test_optimizer_comparison_from_scratch_puts_the_geometry_on_attention_pairs_
     """``analyze optimizers --from-scratch ARM`` (the optimiser abstract's setting): each run trains a fresh model of
     the scratch arm in full, the design point's geometry on the per-head W_Q / W_K pairs only (the metric generators
     of a Riemannian arm stay with AdamW), a partial isometry from orthonormal W_Q / W_K and still on its manifold after
-    training; the summary pairs every point with AdamW and a block variant with its plain geometry, with intervals."""
+    training; the scale control stores the stacked query factor at sqrt(heads per KV head) and stays there; the summary
+    pairs every point with AdamW, a variant with its plain geometry and the block variant with the scale control, with
+    intervals."""
     from fiber_bundle.analysis.optimizers import run_optimizer_comparison
     from fiber_bundle.training import manifolds as mf
     from fiber_bundle.training import trainer as trainer_module
@@ -464,24 +466,34 @@ def test_optimizer_comparison_from_scratch_puts_the_geometry_on_attention_pairs_
     root = fake_stdlib(tmp_path / "lib", modules=30)
     common = dict(seeds=(0, 1), max_steps=2, batch_size=2, block_size=32, max_eval_blocks=4, max_extensions=0,
                   corpus_root=root, progress=False)
-    grids = {"adamw": (1e-3,), "stiefel-canonical": (0.1,), "stiefel-canonical+block": (0.1,)}
+    grids = {"adamw": (1e-3,), "stiefel-canonical": (0.1,), "stiefel-canonical+block": (0.1,),
+             "stiefel-canonical+scaled": (0.1,)}
     results = run_optimizer_comparison(None, tmp_path / "euclidean", from_scratch="euclidean", grids=grids,
-                                       optimizers=["stiefel-canonical+block", "adamw", "stiefel-canonical"], **common)
+                                       optimizers=["stiefel-canonical+block", "adamw", "stiefel-canonical",
+                                                   "stiefel-canonical+scaled"], **common)
     assert [r["optimizer"] for r in results["runs"]] == ["adamw"] * 2 + ["stiefel-canonical+block"] * 2 + [
-        "stiefel-canonical"] * 2
+        "stiefel-canonical"] * 2 + ["stiefel-canonical+scaled"] * 2
     assert results["from_scratch"] == "euclidean" and results["mode"] == "full" and results["eval_blocks"] == 4
     for kwargs, trainer in trainers:
         if kwargs.get("optimizer") is None:
             continue
         assert kwargs["riemannian_pairs"] == "attention" and kwargs["orthonormal_start"] is True
         assert kwargs["block"] == (trainer is trainers[2][1] or trainer is trainers[3][1])
+        scaled = kwargs.get("equal_scale", False)
+        assert scaled == (trainer is trainers[6][1] or trainer is trainers[7][1])
         groups = attention_groups(trainer.model, block=kwargs["block"])
-        for group in groups:  # after training: every factor still orthonormal
+        config = trainer.model.config
+        scale = (config.num_attention_heads // config.num_key_value_heads) ** 0.5 if scaled else 1.0
+        for group in groups:  # after training: every factor still orthonormal, the scaled stack at sqrt(heads per KV)
             for lefts, rights in group["pairs"]:
-                assert all(mf.orthonormality_error(_read(group["params"], f)) < 1e-5 for f in lefts + rights)
+                assert all(mf.orthonormality_error(_read(group["params"], f) / scale) < 1e-5 for f in lefts)
+                assert mf.orthonormality_error(_read(group["params"], rights[0])) < 1e-5
     summary = results["summary"]
     assert summary["stiefel-canonical+block"]["loss_vs_adamw_interval"]["count"] == 2
     assert summary["stiefel-canonical+block"]["loss_vs_plain_interval"]["count"] == 2
+    assert summary["stiefel-canonical+block"]["loss_vs_scaled_interval"]["count"] == 2
+    assert summary["stiefel-canonical+scaled"]["loss_vs_plain_interval"]["count"] == 2
+    assert "loss_vs_scaled_interval" not in summary["stiefel-canonical+scaled"]
     assert "loss_vs_plain_interval" not in summary["stiefel-canonical"]
     assert all(r["step_seconds_median"] > 0 for r in results["runs"])
     trainers.clear()

@@ -26,7 +26,7 @@ from transformers.training_args import OptimizerNames
 from .errors import TrainingError
 from .manifolds import RETRACTIONS
 from .modes import TRAINING_MODES
-from .riemannian import GAUGES, OPTIMIZERS, PAIRS
+from .riemannian import FIXED_RANK, GAUGES, OPTIMIZERS, PAIRS
 
 
 @dataclass
@@ -89,6 +89,10 @@ class FiberBundleTrainingArguments(TrainingArguments):
     block: bool = field(default=False, metadata={
         "help": "the block variant of the geometry: each attention head's slice of a factor is its own factor (heads "
                 "share the other one)"})
+    equal_scale: bool = field(default=False, metadata={
+        "help": "without --block, under a partial-isometry --optimizer (stiefel-*, grassmann) on W_Q / W_K: store each "
+                "KV group's stacked query factor at scale sqrt(query heads per KV head), so that each head's query "
+                "slice starts as large as --block makes it (a control for the query's scale)"})
     riemannian_pairs: str = field(default="all", metadata={
         "help": "the factored pairs a Riemannian --optimizer trains: all of them, or attention (only the per-head "
                 "W_Q / W_K of --mode full; metric generators then stay with AdamW)", "choices": tuple(PAIRS)})
@@ -155,6 +159,10 @@ class FiberBundleTrainingArguments(TrainingArguments):
                                           or self.retraction != "qr" or self.riemannian_pairs != "all"):
             raise TrainingError("block, riemannian_learning_rate, riemannian_pairs and retraction apply to a Riemannian "
                                 "optimizer, not to adamw.")
+        if self.equal_scale and (self.block or self.optimizer in ("adamw", *FIXED_RANK)):
+            raise TrainingError("equal_scale gives the stacked query factor of a partial-isometry optimizer the block "
+                                "variant's scale: use it with --optimizer stiefel-euclidean, stiefel-canonical or "
+                                "grassmann and without --block.")
         if self.riemannian_gauge != "balanced" and self.optimizer != "riemannian-embedded":
             raise TrainingError(f"riemannian_gauge applies to the riemannian-embedded optimizer, not to "
                                 f"{self.optimizer}: drop --riemannian_gauge or choose --optimizer riemannian-embedded.")

@@ -118,10 +118,17 @@ def _write(params, factor: Factor, value: torch.Tensor) -> None:
         row += view.shape[0]
 
 
+def _factor_scales(group: dict, lefts, rights) -> list[float]:
+    """The scale each factor of a pair is stored at (its point on the manifold times it): ``left_scale`` for the left
+    factors (the stacked query factor of ``attention_groups(..., equal_scale=True)``), 1 for everything else."""
+    return [float(group.get("left_scale", 1.0))] * len(lefts) + [1.0] * len(rights)
+
+
 @torch.no_grad()
-def _orthonormalize(params, factor: Factor) -> None:
-    """Replace a factor in place by the Q of its QR decomposition (columns of the tall form orthonormal)."""
-    _write(params, factor, mf.qr_retract(_read(params, factor)))
+def _orthonormalize(params, factor: Factor, scale: float = 1.0) -> None:
+    """Replace a factor in place by the Q of its QR decomposition (columns of the tall form orthonormal), stored at
+    ``scale``."""
+    _write(params, factor, mf.qr_retract(_read(params, factor)) * scale)
 
 
 def orthonormalize_(tensor: torch.Tensor, transposed: bool = False) -> torch.Tensor:
@@ -133,8 +140,8 @@ def orthonormalize_(tensor: torch.Tensor, transposed: bool = False) -> torch.Ten
 def orthonormalize_group_(group: dict) -> None:
     """Every factor of every pair of a group made orthonormal in place."""
     for lefts, rights in group["pairs"]:
-        for factor in lefts + rights:
-            _orthonormalize(group["params"], factor)
+        for factor, scale in zip(lefts + rights, _factor_scales(group, lefts, rights)):
+            _orthonormalize(group["params"], factor, scale)
 
 
 class FactoredRiemannianOptimizer(torch.optim.Optimizer):
@@ -220,11 +227,14 @@ class FactoredRiemannianOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"{label}: factors must share their rank dimension (tall-form column counts "
                                  f"{sorted(ranks)}; check `transposed`).")
             if group["geometry"] in FIXED_RANK:
+                if group.get("left_scale", 1.0) != 1.0:
+                    raise ValueError(f"{label}: a stored scale of the left factors (left_scale) applies to the "
+                                     "partial-isometry geometries; a fixed-rank one learns every scale itself.")
                 continue
             if group["weight_decay"] > 0:
                 raise ValueError(f"weight decay would leave the manifold of {group['geometry']}: use weight_decay=0.")
-            for factor in lefts + rights:
-                tall = _read(params, factor)
+            for factor, scale in zip(lefts + rights, _factor_scales(group, lefts, rights)):
+                tall = _read(params, factor) / scale
                 _check_tall(tall, group["geometry"], label)
                 error = mf.orthonormality_error(tall)
                 if error > 1e-4:
@@ -249,8 +259,9 @@ class FactoredRiemannianOptimizer(torch.optim.Optimizer):
                 continue
             state = self.state[params[0]]
             for index, (lefts, rights) in enumerate(group["pairs"]):
-                factors = [_read(params, f) for f in lefts + rights]
-                grads = [_read(params, f, grad=True) for f in lefts + rights]
+                scales = _factor_scales(group, lefts, rights)  # stored = scale x the point on the manifold
+                factors = [_read(params, f) / c for f, c in zip(lefts + rights, scales)]
+                grads = [_read(params, f, grad=True) * c for f, c in zip(lefts + rights, scales)]  # chain rule
                 if group["geometry"] in FIXED_RANK:  # the stacked factors (a block pair's gauge acts on all blocks)
                     k = len(lefts)
                     left, right = torch.cat(factors[:k]), torch.cat(factors[k:])
@@ -264,8 +275,8 @@ class FactoredRiemannianOptimizer(torch.optim.Optimizer):
                         list(torch.split(right, [f.shape[0] for f in factors[k:]]))
                 else:
                     new = self._isometry_step(group, state, f"{index}.", factors, grads)
-                for factor, value in zip(lefts + rights, new):
-                    _write(params, factor, value)
+                for factor, value, scale in zip(lefts + rights, new, scales):
+                    _write(params, factor, value * scale)
         return loss
 
     def _adamw_step(self, adamw: torch.optim.AdamW, group: dict) -> None:
@@ -432,10 +443,15 @@ def metric_groups(model, *, block: bool = False) -> list[dict]:
     return groups
 
 
-def attention_groups(model, *, block: bool = False) -> list[dict]:
+def attention_groups(model, *, block: bool = False, equal_scale: bool = False) -> list[dict]:
     """Per-head W_Q,h^T W_K,g (D x D, rank head_dim) of every attention layer whose q_proj / k_proj weights train, one
     pair per KV group g (its query heads share the key factor). Non-block: the group's query heads stacked as one left
-    factor; block: one factor per query head. One parameter group per layer (a tensor sits in one group only)."""
+    factor; block: one factor per query head. One parameter group per layer (a tensor sits in one group only).
+
+    ``equal_scale`` (non-block only): the stacked query factor is stored at scale sqrt(query heads per KV head)
+    (``left_scale``). Why: orthonormal columns of the stack give its k head slices Sum_h Q_h^T Q_h = I, a k-th of the
+    identity each on average, where the block variant makes each slice orthonormal; at this scale the plain variant's
+    queries start as large as the block variant's, so the two differ in geometry only."""
     config = model.config
     d, heads, kv = _head_dim(config), config.num_attention_heads, config.num_key_value_heads
     groups = []
@@ -453,16 +469,21 @@ def attention_groups(model, *, block: bool = False) -> list[dict]:
             mine = queries[g * per_group : (g + 1) * per_group]  # repeat_kv order: head h reads KV head h // per_group
             lefts = mine if block else (tuple(piece for factor in mine for piece in factor),)
             pairs.append(FactoredPair(lefts, (keys[g],)))
-        groups.append({"params": [q.weight, k.weight], "pairs": pairs, "name": name, "kind": "attention"})
+        groups.append({"params": [q.weight, k.weight], "pairs": pairs, "name": name, "kind": "attention",
+                       **({"left_scale": per_group ** 0.5} if equal_scale else {})})
     return groups
 
 
-def factored_groups(model, *, block: bool = False, pairs: str = "all") -> list[dict]:
+def factored_groups(model, *, block: bool = False, pairs: str = "all", equal_scale: bool = False) -> list[dict]:
     """Every trainable factored pair of a model: LoRA pairs, metric generators, per-head W_Q / W_K (``pairs``: a key
-    of ``PAIRS``, "attention" for the W_Q / W_K pairs only)."""
+    of ``PAIRS``, "attention" for the W_Q / W_K pairs only; ``equal_scale``: see ``attention_groups``)."""
     if pairs not in PAIRS:
         raise ValueError(f"pairs {pairs!r} is not one of {', '.join(PAIRS)}.")
-    found = {"lora": lora_groups, "metric": metric_groups, "attention": attention_groups}
+    if equal_scale and block:
+        raise ValueError("equal_scale stores the stacked query factor at the block variant's scale: it applies "
+                         "without block, where the heads are stacked.")
+    found = {"lora": lora_groups, "metric": metric_groups,
+             "attention": lambda model, block: attention_groups(model, block=block, equal_scale=equal_scale)}
     groups, seen = [], set()
     for group in [group for kind in PAIRS[pairs] for group in found[kind](model, block=block)]:
         key = tuple(id(p) for p in group["params"])
@@ -473,8 +494,9 @@ def factored_groups(model, *, block: bool = False, pairs: str = "all") -> list[d
 
 
 def _is_orthonormal(group: dict) -> bool:
-    return all(mf.orthonormality_error(_read(group["params"], factor)) < 1e-4
-               for lefts, rights in group["pairs"] for factor in lefts + rights)
+    return all(mf.orthonormality_error(_read(group["params"], factor) / scale) < 1e-4
+               for lefts, rights in group["pairs"]
+               for factor, scale in zip(lefts + rights, _factor_scales(group, lefts, rights)))
 
 
 @torch.no_grad()
@@ -493,7 +515,7 @@ def start_on_isometries_(model, groups: list[dict], *, fresh: bool = False) -> N
         label, kind = group.get("name", "a factored group"), group.get("kind")
         for lefts, rights in group["pairs"]:
             for factor in lefts + rights:
-                _check_tall(_read(group["params"], factor), "a partial-isometry geometry", label)
+                _check_tall(_read(group["params"], factor), "a partial-isometry geometry", label)  # scale-free
         if _is_orthonormal(group):
             continue
         if kind == "metric":
@@ -523,16 +545,20 @@ def start_on_isometries_(model, groups: list[dict], *, fresh: bool = False) -> N
 
 def build_optimizer(model, geometry: str, *, lr: float, riemannian_lr: float | None = None, momentum: float = 0.9,
                     weight_decay: float = 0.0, retraction: str = "qr", block: bool = False, pairs: str = "all",
-                    fresh: bool = False, betas=(0.9, 0.999), eps: float = 1e-8,
-                    gauge: str = "balanced") -> FactoredRiemannianOptimizer:
+                    fresh: bool = False, betas=(0.9, 0.999), eps: float = 1e-8, gauge: str = "balanced",
+                    equal_scale: bool = False) -> FactoredRiemannianOptimizer:
     """One optimiser for a whole model: every trainable factored pair (``factored_groups``; ``pairs`` "attention":
     only the per-head W_Q / W_K) on ``geometry`` at ``riemannian_lr`` (default ``lr``), every other trainable parameter
     (gates, biases, norms, ...) with AdamW at ``lr``.
     For a partial-isometry geometry the factors are first made orthonormal (``start_on_isometries_``; ``fresh``: the
-    model is untrained, so W_Q / W_K may be). ``gauge``: how riemannian-embedded stores X (``GAUGES``)."""
+    model is untrained, so W_Q / W_K may be). ``gauge``: how riemannian-embedded stores X (``GAUGES``). ``equal_scale``:
+    the stacked query factor at the block variant's scale (``attention_groups``; partial-isometry geometries)."""
     if geometry not in GEOMETRIES:
         raise ValueError(f"optimizer {geometry!r} is not one of {OPTIMIZERS}.")
-    groups = factored_groups(model, block=block, pairs=pairs)
+    if equal_scale and geometry in FIXED_RANK:
+        raise ValueError(f"equal_scale fixes the scale of orthonormal query factors; {geometry} learns every scale "
+                         "itself: choose stiefel-euclidean, stiefel-canonical or grassmann.")
+    groups = factored_groups(model, block=block, pairs=pairs, equal_scale=equal_scale)
     if not groups:
         raise ValueError(f"--optimizer {geometry} found no trainable factored pairs ("
                          + ("W_Q / W_K in --mode full" if pairs == "attention" else

@@ -84,6 +84,7 @@ def build_trainer(model, train_dataset, args: FiberBundleTrainingArguments, *, e
                                       riemannian_lr=args.riemannian_learning_rate, weight_decay=args.weight_decay,
                                       block=args.block, retraction=args.retraction, pairs=args.riemannian_pairs,
                                       fresh=args.orthonormal_start, gauge=args.riemannian_gauge,
+                                      equal_scale=args.equal_scale,
                                       betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon), None)
     elif args.metric_learning_rate is not None:
         optimizers = (two_rate_adamw(model, args, args.metric_learning_rate), None)  # the Trainer adds its scheduler
@@ -329,7 +330,7 @@ def training_metrics(args: FiberBundleTrainingArguments, trainer: Trainer, model
     data). ``model`` is the model as loaded (its quantisation), ``final`` the trained one."""
     riemannian = {"riemannian_learning_rate": args.riemannian_learning_rate or args.learning_rate, "block": args.block,
                   "retraction": args.retraction, "riemannian_pairs": args.riemannian_pairs,
-                  "riemannian_gauge": args.riemannian_gauge}
+                  "riemannian_gauge": args.riemannian_gauge, **({"equal_scale": True} if args.equal_scale else {})}
     probe = torch.tensor((data.eval if data.eval is not None else data.train)[:2]["input_ids"])
     return {**outcome, "block_size": args.block_size, "learning_rate": args.learning_rate,
             "batch_size": args.per_device_train_batch_size, "seed": args.seed, "optimizer": args.optimizer,
