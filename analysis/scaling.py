@@ -30,10 +30,14 @@ def _mean_curve(runs: list[dict]) -> list[tuple[int, float]]:
 
 def _check_study(results: dict, name: str, arm: str, reference: str, *, tuned_apart: bool = True) -> None:
     """Refuse a study that does not compare both arms, or (``tuned_apart``) chose its rates on an evaluation seed."""
-    missing = [a for a in (arm, reference) if a not in results.get("best_learning_rate", {})]
+    missing = [a for a in (arm, reference) if a not in results.get("arms", {})]
     if missing:
         raise ValueError(f"{name} compares no arm {missing[0]!r} (its arms: {sorted(results.get('arms', {}))}); "
                          f"give studies that ran both {arm!r} and {reference!r}.")
+    untuned = [a for a in (arm, reference) if a not in results.get("best_learning_rate", {})]
+    if untuned:
+        raise ValueError(f"{name} has not finished sweeping the rates of {untuned[0]!r}: finish the study by rerunning the "
+                         "analyze scratch command that started it.")
     if tuned_apart and "tuning_seed" not in results:
         raise ValueError(f"{name} chose its rates on seed {results['seeds'][0]}, which is in its intervals; rerun it "
                          "with --tuning-seed SEED and its evaluation seeds in --seeds (--reuse-runs FOLDER takes over "
@@ -49,6 +53,9 @@ def size_row(results: dict, name: str, *, arm: str = "strong-1", reference: str 
     _check_study(results, name, arm, reference)
     summary = summarise_scratch(results)
     differences = _paired(results, arm, reference)
+    if len(differences) < 2:
+        raise ValueError(f"{name} has {len(differences)} evaluation seed(s) with both arms finished; a size needs two or "
+                         "more: finish the study by rerunning the analyze scratch command that started it.")
     row = {
         "study": name, "model": results["model"], "parameters": results["arms"][arm]["parameters"],
         "reference_parameters": results["arms"][reference]["parameters"], "steps": results["budget"]["steps"],

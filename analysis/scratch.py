@@ -406,5 +406,6 @@ def summarise_scratch(results: dict) -> dict:
                 if "tuning_seed" not in results:  # seeds[0] chose the rates, which favours the arms on it
                     row["loss_vs_euclidean_interval_without_sweep_seed"] = paired_interval(
                         [difference for seed, difference in pairs if seed != tuning])
-            row["time_vs_euclidean"] = row["seconds_per_step_mean"] / summary["euclidean"]["seconds_per_step_mean"]
+            times = row["seconds_per_step_mean"], summary["euclidean"]["seconds_per_step_mean"]
+            row["time_vs_euclidean"] = times[0] / times[1] if None not in times else None  # None: no evaluation run yet
     return summary

@@ -150,9 +150,17 @@ def test_studies_the_protocol_does_not_allow_are_refused_naming_the_fix():
     with pytest.raises(ValueError, match="chose its rates on seed 0.*--tuning-seed"):
         scaling_summary([("untuned", untuned), *sizes[1:]])
     one_arm = study(64, 10**6, {1: -0.01, 2: -0.02})
-    del one_arm["best_learning_rate"]["strong-1"]
+    del one_arm["arms"]["strong-1"]
     with pytest.raises(ValueError, match="no arm 'strong-1'"):
         scaling_summary([("one-arm", one_arm), *sizes[1:]])
+    sweeping = study(64, 10**6, {1: -0.01, 2: -0.02})  # stopped inside strong-1's sweep
+    del sweeping["best_learning_rate"]["strong-1"]
+    with pytest.raises(ValueError, match="not finished sweeping the rates of 'strong-1'.*rerunning the analyze scratch command"):
+        scaling_summary([("sweeping", sweeping), *sizes[1:]])
+    unfinished = study(64, 10**6, {1: -0.01, 2: -0.02})  # stopped during the sweep: no evaluation run yet
+    unfinished["runs"] = [r for r in unfinished["runs"] if r["seed"] == 0]
+    with pytest.raises(ValueError, match="has 0 evaluation seed.*rerunning the analyze scratch command"):
+        scaling_summary([("unfinished", unfinished), *sizes[1:]])
     with pytest.raises(ValueError, match="same size"):
         scaling_summary([sizes[0], ("again", study(96, 10**6, {1: 0.0, 2: 0.01})), sizes[2]])
     with pytest.raises(ValueError, match="equal-time study of no size"):
