@@ -150,10 +150,10 @@ def paired_interval(differences, *, confidence: float = 0.95, power: float = 0.8
 
 
 def curve_settling(curve, threshold: float = 0.1) -> dict:
-    """How far the loss curve ``curve`` ((step, loss) pairs, steps increasing) has flattened: with the steps from its first
-    point to its last cut in thirds (losses between points linearly interpolated), the drop over the last third divided
-    by the drop over the first third. ``settled`` says whether that ratio is under ``threshold`` (a tenth: the scaling
-    study's criterion for enough tokens); a curve that does not fall over its first third gives no ratio."""
+    """How far the loss curve ``curve`` ((step, loss) pairs, steps increasing) has flattened: with the steps from its
+    first point to its last cut in thirds (losses between points linearly interpolated), the drop over the last third
+    divided by the drop over the first third. ``settled`` says whether that ratio is under ``threshold`` (a tenth: the
+    scaling study's criterion for enough tokens); a curve that does not fall over its first third gives no ratio."""
     steps = torch.tensor([float(step) for step, _ in curve], dtype=torch.float64)
     losses = torch.tensor([float(loss) for _, loss in curve], dtype=torch.float64)
     if steps.numel() < 2 or not bool((steps[1:] > steps[:-1]).all()):

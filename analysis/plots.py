@@ -212,10 +212,10 @@ def plot_scaling(results: dict, path: str | Path) -> Path:
             x = parameters * (1.03 if offset else 1.0)
             ax_difference.scatter([x] * len(part["differences"]), list(part["differences"].values()), s=10,
                                   color=f"C{offset}", alpha=0.5, marker=marker)
-            interval = part["paired"]["t_interval"]
+            mean, interval = part["paired"]["mean"], part["paired"]["t_interval"]
             if interval:
-                ax_difference.errorbar([x], [part["paired"]["mean"]], color=f"C{offset}", fmt=marker, capsize=3,
-                                       yerr=[[part["paired"]["mean"] - interval[0]], [interval[1] - part["paired"]["mean"]]])
+                ax_difference.errorbar([x], [mean], yerr=[[mean - interval[0]], [interval[1] - mean]],
+                                       color=f"C{offset}", fmt=marker, capsize=3)
         if points:
             ax_difference.plot([], [], marker, color=f"C{offset}", label=label)
     trend = results.get("trend")

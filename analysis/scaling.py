@@ -36,8 +36,8 @@ def _check_study(results: dict, name: str, arm: str, reference: str, *, tuned_ap
                          f"give studies that ran both {arm!r} and {reference!r}.")
     untuned = [a for a in (arm, reference) if a not in results.get("best_learning_rate", {})]
     if untuned:
-        raise ValueError(f"{name} has not finished sweeping the rates of {untuned[0]!r}: finish the study by rerunning the "
-                         "analyze scratch command that started it.")
+        raise ValueError(f"{name} has not finished sweeping the rates of {untuned[0]!r}: finish the study by "
+                         "rerunning the analyze scratch command that started it.")
     if tuned_apart and "tuning_seed" not in results:
         raise ValueError(f"{name} chose its rates on seed {results['seeds'][0]}, which is in its intervals; rerun it "
                          "with --tuning-seed SEED and its evaluation seeds in --seeds (--reuse-runs FOLDER takes over "
@@ -53,9 +53,10 @@ def size_row(results: dict, name: str, *, arm: str = "strong-1", reference: str 
     _check_study(results, name, arm, reference)
     summary = summarise_scratch(results)
     differences = _paired(results, arm, reference)
+    curves = {a: _mean_curve(chosen_runs(results, a)) for a in (reference, arm)}
     if len(differences) < 2:
-        raise ValueError(f"{name} has {len(differences)} evaluation seed(s) with both arms finished; a size needs two or "
-                         "more: finish the study by rerunning the analyze scratch command that started it.")
+        raise ValueError(f"{name} has {len(differences)} evaluation seed(s) with both arms finished; a size needs two "
+                         "or more: finish the study by rerunning the analyze scratch command that started it.")
     row = {
         "study": name, "model": results["model"], "parameters": results["arms"][arm]["parameters"],
         "reference_parameters": results["arms"][reference]["parameters"], "steps": results["budget"]["steps"],
@@ -67,8 +68,8 @@ def size_row(results: dict, name: str, *, arm: str = "strong-1", reference: str 
                  for a in (reference, arm)},
         "differences": {str(seed): value for seed, value in sorted(differences.items())},
         "paired": paired_interval(list(differences.values())),
-        "settling": {a: curve_settling(curve) for a in (reference, arm) if (curve := _mean_curve(chosen_runs(results, a)))},
-        "curves": {a: _mean_curve(chosen_runs(results, a)) for a in (reference, arm)},
+        "settling": {a: curve_settling(curve) for a, curve in curves.items()},
+        "curves": curves,
         "seconds_per_step_in_runs": {a: summary[a]["seconds_per_step_mean"] for a in (reference, arm)},
     }
     if equal_time is not None:

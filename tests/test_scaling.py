@@ -155,7 +155,7 @@ def test_studies_the_protocol_does_not_allow_are_refused_naming_the_fix():
         scaling_summary([("one-arm", one_arm), *sizes[1:]])
     sweeping = study(64, 10**6, {1: -0.01, 2: -0.02})  # stopped inside strong-1's sweep
     del sweeping["best_learning_rate"]["strong-1"]
-    with pytest.raises(ValueError, match="not finished sweeping the rates of 'strong-1'.*rerunning the analyze scratch command"):
+    with pytest.raises(ValueError, match="not finished sweeping the rates of 'strong-1'.*rerunning the analyze"):
         scaling_summary([("sweeping", sweeping), *sizes[1:]])
     unfinished = study(64, 10**6, {1: -0.01, 2: -0.02})  # stopped during the sweep: no evaluation run yet
     unfinished["runs"] = [r for r in unfinished["runs"] if r["seed"] == 0]
