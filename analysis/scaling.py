@@ -10,16 +10,7 @@ over the seeds within each size (``measures.size_trend``).
 """
 
 from .measures import curve_settling, paired_interval, size_trend, summarise
-from .scratch import chosen_runs, summarise_scratch
-
-
-def _paired(results: dict, arm: str, reference: str, seeds=None) -> dict[int, float]:
-    """seed -> the arm's final held-out loss minus the reference's, over the study's evaluation runs (``seeds``: only
-    these) where both finished."""
-    theirs = {r["seed"]: r["eval_loss_after"] for r in chosen_runs(results, reference)}
-    return {r["seed"]: r["eval_loss_after"] - theirs[r["seed"]] for r in chosen_runs(results, arm)
-            if r["eval_loss_after"] is not None and theirs.get(r["seed"]) is not None
-            and (seeds is None or r["seed"] in seeds)}
+from .scratch import chosen_runs, paired_differences, summarise_scratch
 
 
 def _mean_curve(runs: list[dict]) -> list[tuple[int, float]]:
@@ -52,7 +43,7 @@ def size_row(results: dict, name: str, *, arm: str = "strong-1", reference: str 
     same evaluation seeds."""
     _check_study(results, name, arm, reference)
     summary = summarise_scratch(results)
-    differences = _paired(results, arm, reference)
+    differences = paired_differences(results, arm, reference)
     curves = {a: _mean_curve(chosen_runs(results, a)) for a in (reference, arm)}
     if len(differences) < 2:
         raise ValueError(f"{name} has {len(differences)} evaluation seed(s) with both arms finished; a size needs two "
@@ -77,13 +68,15 @@ def size_row(results: dict, name: str, *, arm: str = "strong-1", reference: str 
         _check_study(timed, timed_name, arm, reference, tuned_apart=False)  # it re-runs rates chosen here
         if timed["model"] != results["model"]:
             raise ValueError(f"{timed_name} trains another model than {name}; give each size's equal-time study.")
+        timed_summary = summarise_scratch(timed)
         for a in (reference, arm):
-            ours, theirs = row["rates"][a], summarise_scratch(timed)[a]
+            ours, theirs = row["rates"][a], timed_summary[a]
             if (theirs["learning_rate"], theirs.get("metric_learning_rate")) != (
                     ours["learning_rate"], ours.get("metric_learning_rate")):
                 raise ValueError(f"{timed_name} trains {a} at other rates than {name} chose; rerun it at the chosen "
                                  f"rates (--learning-rates {ours['learning_rate']:g}).")
-        timed_differences = _paired(timed, arm, reference, seeds=set(differences))
+        timed_differences = {seed: value for seed, value in paired_differences(timed, arm, reference).items()
+                             if seed in differences}  # the size's evaluation seeds only
         steps = {a: (timed.get("steps_by_arm") or {}).get(a, timed["budget"]["steps"]) for a in (reference, arm)}
         row["equal_time"] = {"study": timed_name, "steps": steps, "seeds": sorted(timed_differences),
                              "differences": {str(s): v for s, v in sorted(timed_differences.items())},

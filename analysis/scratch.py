@@ -340,9 +340,17 @@ def reusable_runs(settings: dict, sources) -> list[dict]:
 def chosen_runs(results: dict, arm: str) -> list[dict]:
     """A scratch study's evaluation runs of ``arm``: its seeds (``seeds``, not a separate tuning seed) at the arm's best
     rate and, where the metric's own rate was swept, its best metric rate; diverged runs included."""
-    metric_rate = results.get("best_metric_learning_rate", {}).get(arm)
+    metric_rate, evaluation = results.get("best_metric_learning_rate", {}).get(arm), set(results["seeds"])
     return [r for r in results["runs"] if r["arm"] == arm and r["learning_rate"] == results["best_learning_rate"][arm]
-            and r.get("metric_learning_rate") == metric_rate and r["seed"] in set(results["seeds"])]
+            and r.get("metric_learning_rate") == metric_rate and r["seed"] in evaluation]
+
+
+def paired_differences(results: dict, arm: str, reference: str = "euclidean") -> dict[int, float]:
+    """seed -> ``arm``'s final held-out loss minus ``reference``'s, over the study's evaluation runs (``chosen_runs``)
+    where both finished, in the order of ``arm``'s runs."""
+    theirs = {r["seed"]: r["eval_loss_after"] for r in chosen_runs(results, reference)}
+    return {r["seed"]: r["eval_loss_after"] - theirs[r["seed"]] for r in chosen_runs(results, arm)
+            if r["eval_loss_after"] is not None and theirs.get(r["seed"]) is not None}
 
 
 def summarise_scratch(results: dict) -> dict:
@@ -355,10 +363,9 @@ def summarise_scratch(results: dict) -> dict:
     tried = {arm: sorted({r["learning_rate"] for r in results["runs"] if r["arm"] == arm
                           and r["seed"] == tuning}) for arm in results["best_learning_rate"]}
     metric_rates = results.get("best_metric_learning_rate", {})
-    chosen = lambda arm: chosen_runs(results, arm)  # noqa: E731
     summary = {}
     for arm, lr in results["best_learning_rate"].items():
-        mine = chosen(arm)
+        mine = chosen_runs(results, arm)
         loss = summarise([r["eval_loss_after"] for r in mine])
         finished = [r for r in mine if r["eval_loss_after"] is not None]
         per_layer = lambda key: [summarise(column)["mean"] for column in zip(*(r[key] for r in finished))]  # noqa: E731
@@ -393,19 +400,16 @@ def summarise_scratch(results: dict) -> dict:
                         for key in ((finished[0].get("proxies") or {}) if finished else {})},
         }
     if "euclidean" in summary:
-        reference = {r["seed"]: r["eval_loss_after"] for r in chosen("euclidean")}
         for arm, row in summary.items():
-            mine = chosen(arm)
-            pairs = [(r["seed"], r["eval_loss_after"] - reference[r["seed"]]) for r in mine
-                     if r["eval_loss_after"] is not None and reference.get(r["seed"]) is not None]
-            differences = [difference for _, difference in pairs]
+            pairs = paired_differences(results, arm)
+            differences = list(pairs.values())
             paired = summarise(differences)
             row["loss_vs_euclidean"], row["loss_vs_euclidean_std"] = paired["mean"], paired["std"]
             if arm != "euclidean":  # t-interval, bootstrap and the smallest detectable difference, paired by seed
                 row["loss_vs_euclidean_interval"] = paired_interval(differences)
                 if "tuning_seed" not in results:  # seeds[0] chose the rates, which favours the arms on it
                     row["loss_vs_euclidean_interval_without_sweep_seed"] = paired_interval(
-                        [difference for seed, difference in pairs if seed != tuning])
+                        [difference for seed, difference in pairs.items() if seed != tuning])
             times = row["seconds_per_step_mean"], summary["euclidean"]["seconds_per_step_mean"]
             row["time_vs_euclidean"] = times[0] / times[1] if None not in times else None  # None: no evaluation run yet
     return summary
