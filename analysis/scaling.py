@@ -9,6 +9,8 @@ difference at equal wall time. Across sizes: the slope of the difference against
 over the seeds within each size (``measures.size_trend``).
 """
 
+import statistics
+
 from .measures import curve_settling, paired_interval, size_trend, summarise
 from .scratch import chosen_runs, paired_differences, summarise_scratch
 
@@ -33,6 +35,29 @@ def _check_study(results: dict, name: str, arm: str, reference: str, *, tuned_ap
         raise ValueError(f"{name} chose its rates on seed {results['seeds'][0]}, which is in its intervals; rerun it "
                          "with --tuning-seed SEED and its evaluation seeds in --seeds (--reuse-runs FOLDER takes over "
                          "the runs it already made).")
+
+
+def step_ratio(results: dict, arm: str = "strong-1", reference: str = "euclidean") -> dict | None:
+    """``arm``'s training step over ``reference``'s as the runs took it: per evaluation seed, the ratio of the two runs'
+    median steps (``StepClock``: the compiled step with evaluations and compilation left out; a study runs each seed's
+    arms back to back), the median and range over seeds, the reference's steps that the median ratio allows in the
+    arm's time (``--steps-by-arm``), and the hosts and largest load average the runs recorded. None where a run has no
+    step clock."""
+    clock = {a: {r["seed"]: r for r in chosen_runs(results, a)} for a in (arm, reference)}
+    seeds = sorted(set(clock[arm]) & set(clock[reference]))
+    runs = [clock[a][seed] for seed in seeds for a in (arm, reference)]
+    if not seeds or any(r.get("step_seconds_median") is None for r in runs):
+        return None
+    ratios = {seed: clock[arm][seed]["step_seconds_median"] / clock[reference][seed]["step_seconds_median"]
+              for seed in seeds}
+    median = statistics.median(ratios.values())
+    hosts = [r["host"] for r in runs if r.get("host")]
+    loads = [value for host in hosts for key in ("load_average_before", "load_average_after")
+             for value in host.get(key) or ()]
+    return {"per_seed": {str(seed): value for seed, value in ratios.items()}, "median": median,
+            "range": [min(ratios.values()), max(ratios.values())],
+            "reference_steps_at_equal_time": round(results["budget"]["steps"] * median),
+            "cpus": sorted({host["cpu"] for host in hosts}), "load_average_max": max(loads) if loads else None}
 
 
 def size_row(results: dict, name: str, *, arm: str = "strong-1", reference: str = "euclidean",
@@ -62,6 +87,7 @@ def size_row(results: dict, name: str, *, arm: str = "strong-1", reference: str 
         "settling": {a: curve_settling(curve) for a, curve in curves.items()},
         "curves": curves,
         "seconds_per_step_in_runs": {a: summary[a]["seconds_per_step_mean"] for a in (reference, arm)},
+        "step_ratio": step_ratio(results, arm, reference),
     }
     if equal_time is not None:
         timed_name, timed = equal_time

@@ -144,6 +144,22 @@ def test_equal_time_studies_are_matched_by_model_and_read_over_the_same_seeds():
     assert all("equal_time" not in r for r in results["sizes"] if r is not row)
 
 
+def test_the_step_ratio_is_read_per_seed_from_the_runs_step_clocks():
+    results = study(128, 10**7, {1: 0.0, 2: 0.0, 3: 0.0})
+    steps = {("euclidean", 1): 0.50, ("strong-1", 1): 0.55, ("euclidean", 2): 0.40, ("strong-1", 2): 0.42,
+             ("euclidean", 3): 0.60, ("strong-1", 3): 0.63}
+    for r in results["runs"]:
+        r["step_seconds_median"] = steps.get((r["arm"], r["seed"]), 9.0)  # the tuning seed's runs must not count
+        r["host"] = {"cpu": "AMD EPYC", "load_average_before": [0.5, 1.0, 1.2], "load_average_after": [2.1, 1.5, 1.3]}
+    ratio = scaling_summary([("w128", results)])["sizes"][0]["step_ratio"]
+    assert ratio["per_seed"] == pytest.approx({"1": 1.1, "2": 1.05, "3": 1.05})
+    assert ratio["median"] == pytest.approx(1.05) and ratio["range"] == pytest.approx([1.05, 1.1])
+    assert ratio["reference_steps_at_equal_time"] == 105  # 100 steps x 1.05
+    assert ratio["cpus"] == ["AMD EPYC"] and ratio["load_average_max"] == 2.1
+    del results["runs"][-1]["step_seconds_median"]  # a run recorded before the step clock: no ratio, no failure
+    assert scaling_summary([("w128", results)])["sizes"][0]["step_ratio"] is None
+
+
 def test_studies_the_protocol_does_not_allow_are_refused_naming_the_fix():
     sizes = three_sizes()
     untuned = study(64, 10**6, {0: -0.01, 1: -0.02}, tuning_seed=None)
