@@ -139,11 +139,12 @@ def scaling_table(results: dict) -> list[str]:
                      f"{settled}; {rates}")
         if row.get("step_ratio"):
             ratio = row["step_ratio"]
-            load = f", load average up to {ratio['load_average_max']:.2f}" if ratio["load_average_max"] is not None else ""
+            hosts = ", ".join(ratio["cpus"]) or "host not recorded"
+            if ratio["load_average_max"] is not None:
+                hosts += f", load average up to {ratio['load_average_max']:.2f}"
             lines.append(f"    step in the runs, {arm} / {reference} by seed: median {ratio['median']:.3f} "
                          f"({ratio['range'][0]:.3f}-{ratio['range'][1]:.3f}); equal time gives {reference} "
-                         f"{ratio['reference_steps_at_equal_time']} steps ({', '.join(ratio['cpus']) or 'host not recorded'}"
-                         f"{load})")
+                         f"{ratio['reference_steps_at_equal_time']} steps ({hosts})")
         if "equal_time" in row:
             timed = row["equal_time"]
             steps = ", ".join(f"{a} {n}" for a, n in timed["steps"].items())
