@@ -139,7 +139,8 @@ def scaling_table(results: dict) -> list[str]:
                      f"{settled}; {rates}")
         if row.get("step_ratio"):
             ratio = row["step_ratio"]
-            hosts = ", ".join(ratio["cpus"]) or "host not recorded"
+            unrecorded = ratio.get("runs_without_host", 0)
+            hosts = ", ".join(ratio["cpus"] + ([f"{unrecorded} run(s) without a host record"] if unrecorded else []))
             if ratio["load_average_max"] is not None:
                 hosts += f", load average up to {ratio['load_average_max']:.2f}"
             lines.append(f"    step in the runs, {arm} / {reference} by seed: median {ratio['median']:.3f} "

@@ -41,8 +41,8 @@ def step_ratio(results: dict, arm: str = "strong-1", reference: str = "euclidean
     """``arm``'s training step over ``reference``'s as the runs took it: per evaluation seed, the ratio of the two runs'
     median steps (``StepClock``: the compiled step with evaluations and compilation left out; a study runs each seed's
     arms back to back), the median and range over seeds, the reference's steps that the median ratio allows in the
-    arm's time (``--steps-by-arm``), and the hosts and largest load average the runs recorded. None where a run has no
-    step clock."""
+    arm's time (``--steps-by-arm``), and the hosts and largest load average the runs recorded (runs made before studies
+    recorded their host are counted apart). None where a run has no step clock."""
     clock = {a: {r["seed"]: r for r in chosen_runs(results, a)} for a in (arm, reference)}
     seeds = sorted(set(clock[arm]) & set(clock[reference]))
     runs = [clock[a][seed] for seed in seeds for a in (arm, reference)]
@@ -57,7 +57,8 @@ def step_ratio(results: dict, arm: str = "strong-1", reference: str = "euclidean
     return {"per_seed": {str(seed): value for seed, value in ratios.items()}, "median": median,
             "range": [min(ratios.values()), max(ratios.values())],
             "reference_steps_at_equal_time": round(results["budget"]["steps"] * median),
-            "cpus": sorted({host["cpu"] for host in hosts}), "load_average_max": max(loads) if loads else None}
+            "cpus": sorted({host["cpu"] for host in hosts}), "runs_without_host": len(runs) - len(hosts),
+            "load_average_max": max(loads) if loads else None}
 
 
 def size_row(results: dict, name: str, *, arm: str = "strong-1", reference: str = "euclidean",

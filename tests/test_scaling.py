@@ -155,7 +155,9 @@ def test_the_step_ratio_is_read_per_seed_from_the_runs_step_clocks():
     assert ratio["per_seed"] == pytest.approx({"1": 1.1, "2": 1.05, "3": 1.05})
     assert ratio["median"] == pytest.approx(1.05) and ratio["range"] == pytest.approx([1.05, 1.1])
     assert ratio["reference_steps_at_equal_time"] == 105  # 100 steps x 1.05
-    assert ratio["cpus"] == ["AMD EPYC"] and ratio["load_average_max"] == 2.1
+    assert ratio["cpus"] == ["AMD EPYC"] and ratio["load_average_max"] == 2.1 and ratio["runs_without_host"] == 0
+    del results["runs"][-1]["host"]  # a run reused from before studies recorded their host is counted apart
+    assert scaling_summary([("w128", results)])["sizes"][0]["step_ratio"]["runs_without_host"] == 1
     del results["runs"][-1]["step_seconds_median"]  # a run recorded before the step clock: no ratio, no failure
     assert scaling_summary([("w128", results)])["sizes"][0]["step_ratio"] is None
 
