@@ -25,8 +25,12 @@ def numbers_close(a, b) -> bool:
     return a == b
 
 
+# runs added to a published study after its table was printed into the fixture: (study, suffix of their optimiser)
+ADDED_SINCE = {"optimizers_scratch_strong-1/optimizers.json": "+scaled"}  # section 8.1's scale control, 2026-12-07
+
+
 @pytest.mark.parametrize("name", sorted(TABLES))
-def test_a_published_study_re_summarises_to_the_table_its_command_printed(name):
+def test_a_published_study_re_summarises_to_the_table_its_command_printed(name, tmp_path):
     """One study of each kind from docs/results/: its summary recomputed from its runs equals the stored one, and the
     command's table of it is, line for line, the one the command printed before the harness existed (the fixture)."""
     from fiber_bundle.analysis import cli
@@ -37,6 +41,12 @@ def test_a_published_study_re_summarises_to_the_table_its_command_printed(name):
     results = read_study(path)
     stored = json.loads(path.read_text())
     assert numbers_close(json.loads(json.dumps(jsonable(results.get("summary")))), stored.get("summary"))
+    if name in ADDED_SINCE:  # the fixture is the table of the study as it was then, without the runs added since
+        later = ADDED_SINCE[name]
+        then = {**stored, "runs": [r for r in stored["runs"] if not r["optimizer"].endswith(later)],
+                "best": {k: v for k, v in stored["best"].items() if not k.endswith(later)}}
+        (tmp_path / path.name).write_text(json.dumps(then))
+        results = read_study(tmp_path / path.name)
     table = {"scratch.json": cli.scratch_table, "optimizers.json": cli.optimizers_table, "ide.json": cli.ide_table,
              "compare.json": cli.compare_table}[path.name]
     assert table(results) == TABLES[name]
