@@ -139,7 +139,7 @@ def scaling_table(results: dict) -> list[str]:
                      f"{settled}; {rates}")
         if row.get("step_ratio"):
             ratio = row["step_ratio"]
-            unrecorded = ratio.get("runs_without_host", 0)
+            unrecorded = ratio["runs_without_host"]
             hosts = ", ".join(ratio["cpus"] + ([f"{unrecorded} run(s) without a host record"] if unrecorded else []))
             if ratio["load_average_max"] is not None:
                 hosts += f", load average up to {ratio['load_average_max']:.2f}"
