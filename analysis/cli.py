@@ -90,6 +90,7 @@ def _scratch(args) -> int:
                                      eval_blocks=args.eval_blocks, eval_every=args.eval_every,
                                      warmup_steps=args.warmup_steps, max_extensions=args.max_extensions,
                                      compile=args.compile, metric_rate_ratios=args.metric_rate_ratios,
+                                     metric_rate_extensions=args.metric_rate_extensions,
                                      steps_by_arm=dict(args.steps_by_arm) if args.steps_by_arm else None,
                                      reuse_from=args.reuse_runs, tuning_seed=args.tuning_seed)
     return _print_table(scratch_table(results), args.out, "scratch.json", "scratch.png")
@@ -129,9 +130,10 @@ def scaling_table(results: dict) -> list[str]:
     lines = [f"{arm} minus {reference}, final held-out loss paired by seed (rates chosen on a tuning seed in no "
              "interval):"]
     for row in results["sizes"]:
-        rates = ", ".join(f"{a} lr {r['learning_rate']:g}" + (f" (metric {r['metric_learning_rate']:g})"
-                                                            if "metric_learning_rate" in r else "")
-                          + (" at the sweep's edge" if r["at_sweep_edge"] else "") for a, r in row["rates"].items())
+        rates = ", ".join(f"{a} lr {r['learning_rate']:g}" + (" at the sweep's edge" if r["at_sweep_edge"] else "")
+                          + (f" (metric {r['metric_learning_rate']:g})" if "metric_learning_rate" in r else "")
+                          + (" (its metric rate at its sweep's edge)" if r.get("metric_at_sweep_edge") else "")
+                          for a, r in row["rates"].items())
         settled = ", ".join(f"{a} {s['ratio']:.3f}" if s["ratio"] is not None else f"{a} -"
                             for a, s in row["settling"].items())
         lines.append(f"  {row['parameters']:,} parameters, {row['steps']} steps ({row['tokens']:,} tokens), "
@@ -533,6 +535,9 @@ def _scratch_arguments(parser: argparse.ArgumentParser) -> None:
                         help="after each arm's rate sweep, give the metric's parameters their own rate, best rate x "
                              "RATIO, each tried on the first seed (the one-rate run is ratio 1); the best pair runs on "
                              "every seed")
+    parser.add_argument("--metric-rate-extensions", type=int, default=0, metavar="N",
+                        help="with --metric-rate-ratios: while the best metric rate lies at an edge of those tried, "
+                             "try one ratio step further, at most N times (default 0)")
     parser.add_argument("--steps-by-arm", type=_arm_steps, nargs="+", default=None, metavar="ARM=STEPS",
                         help="an arm's own number of steps (equal wall time: the steps its measured time per step "
                              "allows in the budget); other arms run --max-steps")

@@ -37,6 +37,16 @@ def _check_study(results: dict, name: str, arm: str, reference: str, *, tuned_ap
                          "the runs it already made).")
 
 
+def _metric_edge(row: dict) -> dict:
+    """``metric_at_sweep_edge`` for an arm whose metric rate was swept (``summarise_scratch``'s row): whether the chosen
+    metric rate is the lowest or highest tried at the chosen backbone rate (the one-rate run counting as that rate)."""
+    if not row.get("metric_sweep"):
+        return {}
+    lr = row["learning_rate"]
+    tried = sorted({lr, *(float(rate) for rate in row["metric_sweep"])})
+    return {"metric_at_sweep_edge": (row.get("metric_learning_rate") or lr) in (tried[0], tried[-1])}
+
+
 def step_ratio(results: dict, arm: str = "strong-1", reference: str = "euclidean") -> dict | None:
     """``arm``'s training step over ``reference``'s as the runs took it: per evaluation seed, the ratio of the two runs'
     median steps (``StepClock``: the compiled step with evaluations and compilation left out; a study runs each seed's
@@ -80,7 +90,8 @@ def size_row(results: dict, name: str, *, arm: str = "strong-1", reference: str 
         "tokens": results["budget"]["tokens"], "tuning_seed": results["tuning_seed"], "seeds": sorted(differences),
         "rates": {a: {"learning_rate": summary[a]["learning_rate"], "at_sweep_edge": summary[a]["at_sweep_edge"],
                       **({"metric_learning_rate": summary[a]["metric_learning_rate"]}
-                         if summary[a].get("metric_learning_rate") is not None else {})} for a in (reference, arm)},
+                         if summary[a].get("metric_learning_rate") is not None else {}),
+                      **_metric_edge(summary[a])} for a in (reference, arm)},
         "loss": {a: {"mean": summary[a]["eval_loss_after_mean"], "std": summary[a]["eval_loss_after_std"]}
                  for a in (reference, arm)},
         "differences": {str(seed): value for seed, value in sorted(differences.items())},

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from .measures import energy_effective_rank, numerical_rank, paired_interval, summarise
-from .study import StepClock, StudyFile, run_study
+from .study import StepClock, StudyFile, run_study, score
 
 STRONG = (1.0, 10.0)  # alpha at the strong starts (gamma = 1)
 DEFAULT_MODEL = dict(num_hidden_layers=4, hidden_size=192, intermediate_size=512, num_attention_heads=6,
@@ -172,6 +172,7 @@ def scratch_study(
     progress: bool = True,
     compile: bool = False,
     metric_rate_ratios=None,
+    metric_rate_extensions: int = 0,
     steps_by_arm: dict | None = None,
     reuse_from=(),
     tuning_seed: int | None = None,
@@ -185,12 +186,14 @@ def scratch_study(
     first step's excess over the median step, recorded as ``compile_seconds``). ``metric_rate_ratios``: after an arm's
     rate sweep, the metric's parameters get their own rate (``metric_learning_rate`` = best rate x ratio, each ratio
     tried on ``seeds[0]``, the one-rate run counting as ratio 1) and the best pair is re-run on every seed; the
-    Euclidean arm has no metric and keeps one rate. ``steps_by_arm``: each named arm's own number of steps (an
-    equal-time comparison gives each arm the steps its time per step allows in one budget), ``max_steps`` for the
-    others. ``reuse_from``: other studies' folders (or ``scratch.json`` files) whose finished runs this study would
-    repeat exactly (``reusable_runs``) are taken over instead of trained again, each marked ``reused_from``. Returns
-    the results (``summary``: per arm, the best rate's final held-out loss mean ± std, its difference to the
-    Euclidean arm paired by seed, time per step, residual per layer, ...)."""
+    Euclidean arm has no metric and keeps one rate. ``metric_rate_extensions``: while the best metric rate lies at an
+    edge of those tried, one ratio step further, at most that many times (``metric_rate_extension``).
+    ``steps_by_arm``: each named arm's own number of steps (an equal-time comparison gives each arm the steps its time
+    per step allows in one budget), ``max_steps`` for the others. ``reuse_from``: other studies' folders (or
+    ``scratch.json`` files) whose finished runs this study would repeat exactly (``reusable_runs``) are taken over
+    instead of trained again, each marked ``reused_from``. Returns the results (``summary``: per arm, the best rate's
+    final held-out loss mean ± std, its difference to the Euclidean arm paired by seed, time per step, residual per
+    layer, ...)."""
     from fiber_bundle.training.scratch import byte_tokenizer
 
     model_fields = {**DEFAULT_MODEL, **(model_fields or {})}
@@ -218,9 +221,13 @@ def scratch_study(
         "threads": torch.get_num_threads(),
         **({"compile": True} if compile else {}),  # absent when off: earlier comparisons continue unchanged
         **({"metric_rate_ratios": sorted(float(r) for r in metric_rate_ratios)} if metric_rate_ratios else {}),
+        **({"metric_rate_extensions": int(metric_rate_extensions)} if metric_rate_extensions else {}),
         **({"steps_by_arm": {arm: int(steps_by_arm[arm]) for arm in sorted(steps_by_arm)}} if steps_by_arm else {}),
         **({"tuning_seed": int(tuning_seed)} if tuning_seed is not None else {}),
     }
+    if metric_rate_extensions and not metric_rate_ratios:
+        raise ValueError("metric_rate_extensions extends the metric's own rate sweep: give metric_rate_ratios too "
+                         "(--metric-rate-ratios 1 3 10).")
     if steps_by_arm and (unknown := sorted(set(steps_by_arm) - set(arms))):
         raise ValueError(f"steps given for arm(s) {unknown} that are not compared; arms: {arms}.")
     file = StudyFile(output_dir, "scratch", settings, setting_fields=("learning_rate", "metric_learning_rate"))
@@ -237,8 +244,11 @@ def scratch_study(
 
     def refine(arm: str, best: dict, records: list[dict]) -> list[dict]:  # the metric's own rate around the best rate
         lr = best["learning_rate"]
-        return [{"learning_rate": lr, "metric_learning_rate": float(f"{lr * ratio:.3g}")}
-                for ratio in (metric_rate_ratios or ()) if ratio != 1 and arm != "euclidean"]  # ratio 1: the sweep's
+        grid = [float(f"{lr * ratio:.3g}") for ratio in (metric_rate_ratios or ()) if ratio != 1]  # 1: the sweep's
+        if arm == "euclidean" or not grid:
+            return []
+        return [{"learning_rate": lr, "metric_learning_rate": rate}
+                for rate in grid + metric_rate_extension(lr, grid, records, metric_rate_extensions)]
 
     def tuned(arm: str, best: dict, records: list[dict]) -> None:
         results["best_learning_rate"][arm] = best["learning_rate"]
@@ -247,9 +257,28 @@ def scratch_study(
 
     grid = settings["learning_rates"]
     run_study(file, arms, list(seeds), run, grids={arm: grid for arm in arms}, max_extensions=max_extensions,
-              refine=refine, tuned=tuned, summarise=summarise_scratch, tuning_seed=tuning_seed, desc="scratch runs",
-              progress=progress)
+              refine=refine, refine_rounds=1 + metric_rate_extensions, tuned=tuned, summarise=summarise_scratch,
+              tuning_seed=tuning_seed, desc="scratch runs", progress=progress)
     return results
+
+
+def metric_rate_extension(lr: float, grid: list[float], records: list[dict], extensions: int) -> list[float]:
+    """The metric rates past ``grid``'s (at backbone rate ``lr``) that the tuning ``records`` call for: those already
+    tried, and, once the grid is tried, one step further while the best metric rate tried at ``lr`` (the one-rate run
+    counting as ``lr`` itself) lies at an edge of them (the ratio of the two rates nearest that edge, kept to 3
+    significant figures), up to ``extensions`` rates past the grid in all."""
+    tried = {r.get("metric_learning_rate", lr): r for r in records if r["learning_rate"] == lr}
+    rates = {lr, *grid}
+    if any(rate not in tried for rate in rates):  # the grid first
+        return []
+    beyond = sorted(rate for rate in tried if rate not in rates)
+    ordered = sorted(tried)
+    best = min(ordered, key=lambda rate: score(tried[rate]))
+    if len(beyond) < extensions and best in (ordered[0], ordered[-1]):
+        upper = best == ordered[-1]  # why the edge's own ratio: the grid's spacing where it ran out
+        step = ordered[-1] / ordered[-2] if upper else ordered[1] / ordered[0]
+        beyond.append(float(f"{best * step if upper else best / step:.3g}"))
+    return beyond
 
 
 def train_arm(config, arm: str, seed: int, setting: dict, *, train_set, eval_set, probe_ids: torch.Tensor, steps: int,
@@ -296,8 +325,8 @@ def train_arm(config, arm: str, seed: int, setting: dict, *, train_set, eval_set
 
 # Settings that choose which runs a study makes, not what one run is: a run of another study that differs only in these
 # is the same run (the thread count changes only the order of floating-point sums).
-_STUDY_ONLY = ("arms", "seeds", "learning_rates", "max_extensions", "metric_rate_ratios", "steps_by_arm", "threads",
-               "tuning_seed")
+_STUDY_ONLY = ("arms", "seeds", "learning_rates", "max_extensions", "metric_rate_ratios", "metric_rate_extensions",
+               "steps_by_arm", "threads", "tuning_seed")
 
 
 def _steps_of(settings: dict, arm: str) -> int:

@@ -120,10 +120,12 @@ class StudyFile:
 
 
 def tune(run_at: Callable[[dict], dict], grid, *, max_extensions: int = 0,
-         refine: Callable[[dict, list[dict]], list[dict]] | None = None) -> tuple[dict, list[dict]]:
+         refine: Callable[[dict, list[dict]], list[dict]] | None = None,
+         refine_rounds: int = 1) -> tuple[dict, list[dict]]:
     """Sweep the learning rates of ``grid`` (``run_at({"learning_rate": lr})``); while the best rate lies at an edge of
     what was tried, go one grid step further (at most ``max_extensions`` times; rates kept to 3 significant figures, as
-    typed); then try the settings ``refine(best record, records)`` names. Returns (the best record, every record)."""
+    typed); then try the settings ``refine(best record, records)`` names that were not tried yet, asking again after
+    each round while it names new ones (at most ``refine_rounds`` rounds). Returns (the best record, every record)."""
     rates = sorted(float(lr) for lr in grid)
     sweep = [run_at({"learning_rate": lr}) for lr in rates]
     step = rates[-1] / rates[-2] if len(rates) > 1 else None  # the grid's own ratio: a one-rate grid is not swept
@@ -133,21 +135,26 @@ def tune(run_at: Callable[[dict], dict], grid, *, max_extensions: int = 0,
         if best not in (tried[0], tried[-1]):
             break
         sweep.append(run_at({"learning_rate": float(f"{best * step if best == tried[-1] else best / step:.3g}")}))
-    for setting in refine(min(sweep, key=score), sweep) if refine else ():
-        sweep.append(run_at(setting))
+    for _ in range(refine_rounds if refine else 0):
+        untried = [setting for setting in refine(min(sweep, key=score), sweep)
+                   if not any(all(record.get(k) == v for k, v in setting.items()) for record in sweep)]
+        if not untried:
+            break
+        sweep += [run_at(setting) for setting in untried]
     return min(sweep, key=score), sweep
 
 
 def run_study(file: StudyFile, arms, seeds, run: Callable[[str, int, dict], dict], *, grids: dict,
               max_extensions: int = 0, refine: Callable[[str, dict, list[dict]], list[dict]] | None = None,
-              tuned: Callable[[str, dict, list[dict]], None] | None = None,
+              refine_rounds: int = 1, tuned: Callable[[str, dict, list[dict]], None] | None = None,
               summarise: Callable[[dict], dict] | None = None, arm_by_arm: bool = False,
               tuning_seed: int | None = None, desc: str = "runs", progress: bool = True) -> dict[str, dict]:
     """Tune every arm on ``tuning_seed`` (default ``seeds[0]``; ``tune`` over ``grids[arm]``; ``refine(arm, best,
-    records)``: the settings to try after the rate sweep), then re-run its best setting on every seed of ``seeds``.
-    ``run(arm, seed, setting)`` makes one run's record; a finished run is never made again. ``tuned(arm, best,
-    records)`` hears each arm's choice before its other seeds run. ``summarise(results)`` becomes
-    ``results["summary"]``: after each arm (``arm_by_arm``) or at the end. Returns arm -> its best setting."""
+    records)``: the settings to try after the rate sweep, asked up to ``refine_rounds`` times), then re-run its best
+    setting on every seed of ``seeds``. ``run(arm, seed, setting)`` makes one run's record; a finished run is never
+    made again. ``tuned(arm, best, records)`` hears each arm's choice before its other seeds run.
+    ``summarise(results)`` becomes ``results["summary"]``: after each arm (``arm_by_arm``) or at the end. Returns
+    arm -> its best setting."""
     if tuning_seed is not None and tuning_seed in seeds:
         raise ValueError(f"the tuning seed {tuning_seed} is also an evaluation seed: it chose the rates, so it would "
                          "favour the arms in every interval; give a seed that is not in --seeds.")
@@ -164,7 +171,7 @@ def run_study(file: StudyFile, arms, seeds, run: Callable[[str, int, dict], dict
 
     def choose(arm: str) -> dict:
         best, records = tune(lambda setting: attempt(arm, tuning, setting), grids[arm],
-                             max_extensions=max_extensions,
+                             max_extensions=max_extensions, refine_rounds=refine_rounds,
                              refine=(lambda best, records: refine(arm, best, records)) if refine else None)
         if tuned:
             tuned(arm, best, records)

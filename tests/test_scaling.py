@@ -116,6 +116,8 @@ def test_each_size_pairs_its_evaluation_seeds_at_the_chosen_rates():
     sizes = three_sizes()
     # a run on the tuning seed at the chosen rates must not enter the pairs: the tuning seed is in no interval
     sizes[0][1]["runs"].append(run("strong-1", 0, 1e-3, 3e-3, 1.0))
+    # at the largest size the metric's x10 was not tried: its chosen x3 is then the highest metric rate tried
+    sizes[2][1]["runs"] = [r for r in sizes[2][1]["runs"] if r.get("metric_learning_rate") != 1e-2]
     results = scaling_summary(sizes[::-1])  # rows come back by parameters whatever the order given
     rows = results["sizes"]
     assert [row["parameters"] for row in rows] == [10**6, 10**7, 10**8]
@@ -124,7 +126,9 @@ def test_each_size_pairs_its_evaluation_seeds_at_the_chosen_rates():
     assert rows[1]["paired"]["mean"] == pytest.approx(-0.02)
     assert rows[0]["rates"] == {"euclidean": {"learning_rate": 1e-3, "at_sweep_edge": True},  # 1e-3 of 1e-3, 3e-3
                                 "strong-1": {"learning_rate": 1e-3, "metric_learning_rate": 3e-3,
-                                             "at_sweep_edge": False}}  # one backbone rate tried
+                                             "at_sweep_edge": False,  # one backbone rate tried
+                                             "metric_at_sweep_edge": False}}  # x3 of x1, x3, x10
+    assert rows[2]["rates"]["strong-1"]["metric_at_sweep_edge"] is True
     assert rows[0]["settling"]["euclidean"]["ratio"] == pytest.approx(
         measures.curve_settling(rows[0]["curves"]["euclidean"])["ratio"])
     assert results["trend"]["slope_per_tenfold_parameters"] == pytest.approx(-0.02)

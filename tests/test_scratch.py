@@ -379,6 +379,42 @@ def test_scratch_study_sweeps_the_metric_rate_and_gives_arms_their_own_steps(tmp
         reports.run_scratch_comparison(tmp_path / "other", **{**settings, "steps_by_arm": {"gates-0": 2}})
 
 
+@pytest.mark.parametrize("better, tried", [("higher", [0.01, 0.03, 0.09]), ("lower", [0.00333, 0.01, 0.03])])
+def test_scratch_study_extends_the_metric_rate_past_the_edge_it_is_best_at(tmp_path, monkeypatch, better, tried):
+    """``metric_rate_extensions``: once the metric's grid (x1, x3) is tried, a best metric rate at an edge of those
+    tried is followed one ratio step further (x9 above, x1/3 below), then no more than asked; the extension reaches
+    the other seeds as the chosen rate, the summary says the choice lies at the edge, a rerun trains nothing, and the
+    option without --metric-rate-ratios is refused with the fix."""
+    from fiber_bundle.analysis import scratch
+
+    original = scratch.train_arm
+
+    def ranked(config, arm, seed, setting, **kwargs):  # the real run, its loss ranked by the metric's rate alone
+        record = original(config, arm, seed, setting, **kwargs)
+        rate = setting.get("metric_learning_rate", setting["learning_rate"])
+        calls.append((arm, seed, setting.get("metric_learning_rate")))
+        return {**record, "eval_loss_after": 5.0 - rate if better == "higher" else 5.0 + rate}
+
+    calls = []
+    monkeypatch.setattr(scratch, "train_arm", ranked)
+    root = fake_stdlib(tmp_path / "lib", modules=30)
+    settings = dict(seeds=(1,), tuning_seed=0, learning_rates=(1e-2,), arms=("euclidean", "strong-10"),
+                    strong=(10.0,), model_fields=dict(TINY_SCRATCH), max_steps=2, batch_size=2, block_size=32,
+                    eval_blocks=4, eval_every=2, warmup_steps=0, probe_blocks=2, corpus_root=root, progress=False,
+                    metric_rate_ratios=(1.0, 3.0), metric_rate_extensions=1)
+    results = reports.run_scratch_comparison(tmp_path / "out", **settings)
+    tuning = sorted(rate or 0.01 for arm, seed, rate in calls if arm == "strong-10" and seed == 0)
+    assert tuning == tried  # the grid, then one step past its best edge, and no second step
+    best = tried[-1] if better == "higher" else tried[0]
+    assert results["best_metric_learning_rate"]["strong-10"] == best and results["metric_rate_extensions"] == 1
+    assert ("strong-10", 1, best) in calls and ("euclidean", 1, None) in calls and len(calls) == 6
+    assert results["summary"]["strong-10"]["metric_at_sweep_edge"] is True
+    reports.run_scratch_comparison(tmp_path / "out", **settings)
+    assert len(calls) == 6  # everything was on disk
+    with pytest.raises(ValueError, match=r"give metric_rate_ratios too \(--metric-rate-ratios 1 3 10\)"):
+        reports.run_scratch_comparison(tmp_path / "other", **{**settings, "metric_rate_ratios": None})
+
+
 def test_scratch_study_reuses_the_runs_another_study_already_made(tmp_path, monkeypatch):
     """``reuse_from``: an equal-time study that changes only the Euclidean arm's steps takes the other arm's finished
     runs from the equal-token study (marked ``reused_from``) and trains only the Euclidean runs; a study of other data or
@@ -441,6 +477,10 @@ def test_analyze_scratch_command_prints_the_paired_intervals_and_reuses_runs(tmp
     assert calls[6:] == [3, 3, 3]  # the strong arm's runs came from the first study
     results = json.loads((tmp_path / "time" / "scratch.json").read_text())
     assert sum("reused_from" in r for r in results["runs"]) == 3
+    # the metric's extended sweep reaches the study from the command line (refused without the ratios it extends)
+    assert main([*study, "--out", str(tmp_path / "extended"), "--metric-rate-extensions", "1"]) == 1
+    assert "give metric_rate_ratios too (--metric-rate-ratios 1 3 10)" in capsys.readouterr().err
+    assert len(calls) == 9 and not (tmp_path / "extended" / "scratch.json").exists()
 
 
 def test_optimizer_comparison_from_scratch_puts_the_geometry_on_attention_pairs_only(tmp_path, monkeypatch):
