@@ -383,7 +383,7 @@ def test_scratch_study_sweeps_the_metric_rate_and_gives_arms_their_own_steps(tmp
 def test_scratch_study_extends_the_metric_rate_past_the_edge_it_is_best_at(tmp_path, monkeypatch, better, tried):
     """``metric_rate_extensions``: once the metric's grid (x1, x3) is tried, a best metric rate at an edge of those
     tried is followed one ratio step further (x9 above, x1/3 below), then no more than asked; the extension reaches
-    the other seeds as the chosen rate, the summary says the choice lies at the edge, a rerun trains nothing, and the
+    the other seeds as the chosen rate and the summary's metric sweep, a rerun trains nothing, and the
     option without --metric-rate-ratios is refused with the fix."""
     from fiber_bundle.analysis import scratch
 
@@ -408,7 +408,8 @@ def test_scratch_study_extends_the_metric_rate_past_the_edge_it_is_best_at(tmp_p
     best = tried[-1] if better == "higher" else tried[0]
     assert results["best_metric_learning_rate"]["strong-10"] == best and results["metric_rate_extensions"] == 1
     assert ("strong-10", 1, best) in calls and ("euclidean", 1, None) in calls and len(calls) == 6
-    assert results["summary"]["strong-10"]["metric_at_sweep_edge"] is True
+    row = results["summary"]["strong-10"]  # the summary carries the extension, chosen (analyze scaling marks the edge)
+    assert row["metric_learning_rate"] == best and sorted(row["metric_sweep"]) == [r for r in tried if r != 1e-2]
     reports.run_scratch_comparison(tmp_path / "out", **settings)
     assert len(calls) == 6  # everything was on disk
     with pytest.raises(ValueError, match=r"give metric_rate_ratios too \(--metric-rate-ratios 1 3 10\)"):
