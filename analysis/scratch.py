@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from .measures import energy_effective_rank, numerical_rank, paired_interval, summarise
-from .study import StepClock, StudyFile, run_study, score
+from .study import StepClock, StudyFile, past_edge, run_study, score
 
 STRONG = (1.0, 10.0)  # alpha at the strong starts (gamma = 1)
 DEFAULT_MODEL = dict(num_hidden_layers=4, hidden_size=192, intermediate_size=512, num_attention_heads=6,
@@ -273,12 +273,9 @@ def metric_rate_extension(lr: float, grid: list[float], records: list[dict], ext
         return []
     beyond = sorted(rate for rate in tried if rate not in rates)
     ordered = sorted(tried)
-    best = min(ordered, key=lambda rate: score(tried[rate]))
-    if len(beyond) < extensions and best in (ordered[0], ordered[-1]):
-        upper = best == ordered[-1]  # why the edge's own ratio: the grid's spacing where it ran out
-        step = ordered[-1] / ordered[-2] if upper else ordered[1] / ordered[0]
-        beyond.append(float(f"{best * step if upper else best / step:.3g}"))
-    return beyond
+    # why the edge's own ratio (past_edge's default): the grid's spacing where it ran out
+    further = past_edge(min(ordered, key=lambda rate: score(tried[rate])), ordered)
+    return beyond + ([further] if len(beyond) < extensions and further is not None else [])
 
 
 def train_arm(config, arm: str, seed: int, setting: dict, *, train_set, eval_set, probe_ids: torch.Tensor, steps: int,

@@ -119,6 +119,17 @@ class StudyFile:
         return place[name]
 
 
+def past_edge(best: float, tried: list[float], step: float | None = None) -> float | None:
+    """The rate one ``step`` (a ratio; by default that of the two rates nearest the edge) past the edge of the sorted
+    rates ``tried`` that ``best`` lies at, kept to 3 significant figures as typed; None while ``best`` lies inside them
+    or one rate gives no spacing to step by."""
+    if best not in (tried[0], tried[-1]) or (step is None and len(tried) < 2):
+        return None
+    upper = best == tried[-1]
+    step = step or (tried[-1] / tried[-2] if upper else tried[1] / tried[0])
+    return float(f"{best * step if upper else best / step:.3g}")
+
+
 def tune(run_at: Callable[[dict], dict], grid, *, max_extensions: int = 0,
          refine: Callable[[dict, list[dict]], list[dict]] | None = None,
          refine_rounds: int = 1) -> tuple[dict, list[dict]]:
@@ -130,11 +141,11 @@ def tune(run_at: Callable[[dict], dict], grid, *, max_extensions: int = 0,
     sweep = [run_at({"learning_rate": lr}) for lr in rates]
     step = rates[-1] / rates[-2] if len(rates) > 1 else None  # the grid's own ratio: a one-rate grid is not swept
     for _ in range(max_extensions if step else 0):
-        tried = sorted(record["learning_rate"] for record in sweep)
-        best = min(sweep, key=score)["learning_rate"]
-        if best not in (tried[0], tried[-1]):
+        beyond = past_edge(min(sweep, key=score)["learning_rate"],
+                           sorted(record["learning_rate"] for record in sweep), step)
+        if beyond is None:
             break
-        sweep.append(run_at({"learning_rate": float(f"{best * step if best == tried[-1] else best / step:.3g}")}))
+        sweep.append(run_at({"learning_rate": beyond}))
     for _ in range(refine_rounds if refine else 0):
         untried = [setting for setting in refine(min(sweep, key=score), sweep)
                    if not any(all(record.get(k) == v for k, v in setting.items()) for record in sweep)]

@@ -64,7 +64,7 @@ def fake_run(calls, losses):
 
 def test_tune_extends_the_sweep_past_an_edge_and_ranks_diverged_runs_last():
     """The best rate at the grid's top edge: one grid step further (3 significant figures), then stop where the best
-    is inside; a diverged run (no loss) never wins; a one-rate grid is not extended."""
+    is inside; a diverged run (no loss) never wins; a one-rate grid is not extended; ``past_edge``'s own cases."""
     calls = []
     # best near 0.0316; no loss (diverged) above 0.05
     loss = lambda lr: None if lr > 0.05 else (math.log10(lr) + 1.5) ** 2  # noqa: E731
@@ -77,6 +77,11 @@ def test_tune_extends_the_sweep_past_an_edge_and_ranks_diverged_runs_last():
     refined = study.tune(lambda s: {**s, "eval_loss_after": loss(s["learning_rate"])}, [1e-2, 1e-1], max_extensions=0,
                          refine=lambda best, records: [{"learning_rate": 0.02}])
     assert [r["learning_rate"] for r in refined[1]] == [1e-2, 1e-1, 0.02] and refined[0]["learning_rate"] == 0.02
+    # past_edge, the rule shared with the metric's extension: by default each edge's own spacing; none inside or alone
+    tried = [0.01, 0.03, 0.1]
+    assert study.past_edge(0.1, tried) == 0.333 and study.past_edge(0.01, tried) == 0.00333
+    assert study.past_edge(0.03, tried) is None and study.past_edge(0.01, [0.01]) is None
+    assert study.past_edge(0.1, tried, step=10.0) == 1.0 and study.past_edge(0.01, tried, step=10.0) == 0.001
 
 
 def test_study_runs_interleaved_or_arm_by_arm_and_a_rerun_makes_nothing_again(tmp_path):
