@@ -220,15 +220,21 @@ def test_analyze_scaling_writes_json_and_figure_and_prints_the_trend(tmp_path, c
     assert "holds no scratch.json" in capsys.readouterr().err
 
 
-def test_the_published_small_study_reads_as_its_own_command_printed_it(tmp_path, capsys):
-    """The small size of docs/results.md section 10, with its equal-time study: the paired difference over seeds 1-9 is
-    the one ``analyze scratch`` prints for that folder (−0.0039 [−0.0162, +0.0083])."""
+def test_the_published_small_and_medium_studies_read_as_section_10_prints_them(tmp_path, capsys):
+    """The two finished sizes of docs/results.md section 10, each with its equal-time study, read from the committed
+    JSON: the rows of its two tables (small −0.0039 [−0.0162, +0.0083], medium +0.0004 [−0.0077, +0.0086]; at equal
+    time +0.0394 and +0.0062) and the twin's 1536 steps that medium's own runs allow."""
     from fiber_bundle.cli import main
 
     results = ROOT / "docs" / "results"
-    assert main(["analyze", "scaling", "--studies", str(results / "scratch_size_small"), "--equal-time",
-                 str(results / "scratch_power_time"), "--out", str(tmp_path)]) == 0
+    assert main(["analyze", "scaling", "--studies", str(results / "scratch_size_small"),
+                 str(results / "scratch_size_medium"), "--equal-time", str(results / "scratch_power_time"),
+                 str(results / "scratch_size_medium_time"), "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
     assert "1,716,340 parameters, 1000 steps (2,048,000 tokens), 9 seeds: -0.0039, 95 % [-0.0162, +0.0083]" in printed
     assert "equal time (euclidean 1235, strong-1 1000 steps), 9 seeds: +0.0394, 95 % [+0.0255, +0.0533]" in printed
+    assert "4,767,334 parameters, 1500 steps (3,072,000 tokens), 5 seeds: +0.0004, 95 % [-0.0077, +0.0086]" in printed
+    assert "last-third / first-third drop euclidean 0.049, strong-1 0.049" in printed
+    assert "median 1.024 (1.004-1.080); equal time gives euclidean 1536 steps" in printed
+    assert "equal time (euclidean 1536, strong-1 1500 steps), 5 seeds: +0.0062, 95 % [-0.0026, +0.0150]" in printed
     assert "trend: needs three or more sizes" in printed
